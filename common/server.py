@@ -1,0 +1,179 @@
+"""The gRPC server bootstrap every service uses.
+
+One place decides how a pagewire service listens: address and port from flags or the
+environment, grpc.health.v1, server reflection, Prometheus metrics, message-size limits, and
+a graceful stop on SIGTERM/SIGINT (stop accepting, let in-flight calls finish within a grace
+period, exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.metrics import MetricsInterceptor, start_metrics_server
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class ServerOptions:
+    """How a service listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 lets the OS choose; the chosen port is on GrpcService.port
+    metrics_port: int = 0  # 0 serves no metrics port
+    grace_s: float = 5.0
+    max_workers: int = 16
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+
+def _env(service: str, name: str, default: str) -> str:
+    return os.environ.get(f"PAGEWIRE_{service.upper()}_{name}", default)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, service: str, default_port: int) -> None:
+    """Adds --host, --port, --metrics-port, --grace-s, --max-workers, --max-message-bytes.
+
+    Each defaults to PAGEWIRE_<SERVICE>_<FLAG> from the environment, then to the built-in value.
+    """
+    parser.add_argument("--host", default=_env(service, "HOST", "127.0.0.1"), help="address to bind")
+    parser.add_argument("--port", type=int, default=int(_env(service, "PORT", str(default_port))))
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env(service, "METRICS_PORT", "0")),
+        help="Prometheus /metrics port (0: off)",
+    )
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=float(_env(service, "GRACE_S", "5")),
+        help="seconds in-flight calls get to finish on SIGTERM",
+    )
+    parser.add_argument("--max-workers", type=int, default=int(_env(service, "MAX_WORKERS", "16")))
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=int(_env(service, "MAX_MESSAGE_BYTES", str(DEFAULT_MAX_MESSAGE_BYTES))),
+    )
+
+
+def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
+    """Reads the flags added by add_server_arguments."""
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        grace_s=args.grace_s,
+        max_workers=args.max_workers,
+        max_message_bytes=args.max_message_bytes,
+    )
+
+
+class GrpcService:
+    """A started server with its health status."""
+
+    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
+                 service_names: Sequence[str], grace_s: float) -> None:
+        self.server = server
+        self.port = port
+        self._health = health_servicer
+        self._service_names = list(service_names)
+        self.grace_s = grace_s
+        self._stopped = threading.Event()
+
+    def set_serving(self, serving: bool) -> None:
+        """Sets SERVING / NOT_SERVING for the overall server ("") and every service."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self._service_names]:
+            self._health.set(name, status)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stops accepting calls and waits up to the grace period for in-flight ones."""
+        self.set_serving(False)
+        self.server.stop(self.grace_s if grace_s is None else grace_s).wait()
+        self._stopped.set()
+
+    def wait(self) -> None:
+        """Blocks until stop() has finished."""
+        self._stopped.wait()
+
+
+def start_server(
+    options: ServerOptions,
+    register: Callable[[grpc.Server], None],
+    service_names: Sequence[str],
+    serving: bool = True,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> GrpcService:
+    """Builds, binds and starts a server with health, reflection and metrics.
+
+    `register` adds the service's servicers; `service_names` are their full names (e.g.
+    `block_pb2.DESCRIPTOR.services_by_name["BlockService"].full_name`) for health and
+    reflection. With `serving=False` health says NOT_SERVING until set_serving(True).
+    """
+    message_options = [
+        ("grpc.max_receive_message_length", options.max_message_bytes),
+        ("grpc.max_send_message_length", options.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=options.max_workers),
+        interceptors=[MetricsInterceptor(), *interceptors],
+        options=message_options,
+    )
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {options.host}:{options.port}")
+    server.start()
+    start_metrics_server(options.metrics_port, options.host)
+    service = GrpcService(server, port, health_servicer, service_names, options.grace_s)
+    service.set_serving(serving)
+    log.info("listening on %s:%d", options.host, port)
+    return service
+
+
+def run_until_signal(service: GrpcService, on_stop: Callable[[], None] | None = None) -> int:
+    """Serves until SIGTERM or SIGINT, then stops gracefully; returns the exit code (0).
+
+    `on_stop` runs after the server has drained (release models, close channels).
+    """
+    requested = threading.Event()
+
+    def handle(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: stopping (grace %.1fs)", signum, service.grace_s)
+        requested.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    while not requested.wait(0.5):
+        pass
+    service.stop()
+    if on_stop is not None:
+        on_stop()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,101 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model", "architecture", "vocab_size", "eos_token_ids", "max_model_len", "num_blocks", "block_size", "dtype", "device", "epoch", "attention_backend", "tensor_parallel_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    epoch: int
+    attention_backend: str
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., epoch: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("epoch", "client_id", "step_id", "copy_src_block_ids", "copy_dst_block_ids", "num_new_tokens", "start_positions", "token_ids", "slot_mapping", "block_table_lens", "block_tables", "do_sample", "temperatures", "top_ps", "top_ks", "min_ps", "seeds", "num_logprobs")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    COPY_SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COPY_DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_LENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    TOP_PS_FIELD_NUMBER: _ClassVar[int]
+    TOP_KS_FIELD_NUMBER: _ClassVar[int]
+    MIN_PS_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    client_id: str
+    step_id: int
+    copy_src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    copy_dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    start_positions: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
+    block_table_lens: _containers.RepeatedScalarFieldContainer[int]
+    block_tables: _containers.RepeatedScalarFieldContainer[int]
+    do_sample: _containers.RepeatedScalarFieldContainer[bool]
+    temperatures: _containers.RepeatedScalarFieldContainer[float]
+    top_ps: _containers.RepeatedScalarFieldContainer[float]
+    top_ks: _containers.RepeatedScalarFieldContainer[int]
+    min_ps: _containers.RepeatedScalarFieldContainer[float]
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    num_logprobs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., step_id: _Optional[int] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., block_table_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., do_sample: _Optional[_Iterable[bool]] = ..., temperatures: _Optional[_Iterable[float]] = ..., top_ps: _Optional[_Iterable[float]] = ..., top_ks: _Optional[_Iterable[int]] = ..., min_ps: _Optional[_Iterable[float]] = ..., seeds: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExecuteResponse(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "top_counts", "top_token_ids", "top_logprobs", "epoch", "forward_ms", "sample_ms", "total_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_counts: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    epoch: int
+    forward_ms: float
+    sample_ms: float
+    total_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_counts: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., epoch: _Optional[int] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
