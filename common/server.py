@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.faults import interceptors_from_env
 from common.metrics import MetricsInterceptor, start_metrics_server
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, service: str, default_
 
     Each defaults to PAGEWIRE_<SERVICE>_<FLAG> from the environment, then to the built-in value.
     """
-    parser.add_argument("--host", default=_env(service, "HOST", "127.0.0.1"), help="address to bind")
+    parser.add_argument("--host", default=_env(service, "HOST", "127.0.0.1"), help="bind address")
     parser.add_argument("--port", type=int, default=int(_env(service, "PORT", str(default_port))))
     parser.add_argument(
         "--metrics-port",
@@ -137,7 +138,7 @@ def start_server(
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_workers),
-        interceptors=[MetricsInterceptor(), *interceptors],
+        interceptors=[MetricsInterceptor(), *interceptors, *interceptors_from_env()],
         options=message_options,
     )
     register(server)

@@ -1,0 +1,34 @@
+"""Server interceptors that wrap unary handlers: the shared plumbing for metrics and faults."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+UnaryBehavior = Callable[[Any, grpc.ServicerContext], Any]
+
+
+class UnaryInterceptor(grpc.ServerInterceptor):
+    """Wraps every unary-unary handler whose method `applies_to`; streams pass through."""
+
+    def applies_to(self, method: str) -> bool:
+        return True
+
+    def wrap(self, method: str, inner: UnaryBehavior) -> UnaryBehavior:
+        raise NotImplementedError
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None or not self.applies_to(details.method):
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self.wrap(details.method, handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

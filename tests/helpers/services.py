@@ -1,0 +1,95 @@
+"""Start pagewire services as real processes on free loopback ports, for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def health_status(address: str, timeout_s: float = 1.0) -> int | None:
+    """The overall health status of the server at `address`, or None if it does not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return None
+        return int(reply.status)
+
+
+@dataclass
+class ServiceProcess:
+    """A service started as `python -m <module> --port <port> <args>`."""
+
+    module: str
+    args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, log_dir: Path) -> ServiceProcess:
+        self.log_path = log_dir / f"{self.module}-{self.port}.log"
+        command = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env={**os.environ, **self.env}, stdout=log, stderr=log
+            )
+        return self
+
+    def wait_serving(self, timeout_s: float = 120.0) -> ServiceProcess:
+        """Waits until health says SERVING; fails with the service's log otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.module} exited {self.process.returncode}:\n{self.log()}")
+            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+                return self
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.module} not SERVING after {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path else ""
+
+    def terminate(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then wait; returns the exit code (kills and raises on timeout)."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL (a crash), then reap."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
