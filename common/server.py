@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.faults import interceptors_from_env
 from common.metrics import MetricsInterceptor, start_metrics_server
+from common.security import ServerTls, TokenAuthInterceptor, read_tokens
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class ServerOptions:
     grace_s: float = 5.0
     max_workers: int = 16
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tls: ServerTls | None = None  # None serves plaintext
+    auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty accepts every caller
 
 
 def _env(service: str, name: str, default: str) -> str:
@@ -47,7 +50,8 @@ def _env(service: str, name: str, default: str) -> str:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, service: str, default_port: int) -> None:
-    """Adds --host, --port, --metrics-port, --grace-s, --max-workers, --max-message-bytes.
+    """Adds --host, --port, --metrics-port, --grace-s, --max-workers, --max-message-bytes,
+    --tls-cert, --tls-key, --tls-client-ca and --auth-token-file.
 
     Each defaults to PAGEWIRE_<SERVICE>_<FLAG> from the environment, then to the built-in value.
     """
@@ -71,10 +75,33 @@ def add_server_arguments(parser: argparse.ArgumentParser, service: str, default_
         type=int,
         default=int(_env(service, "MAX_MESSAGE_BYTES", str(DEFAULT_MAX_MESSAGE_BYTES))),
     )
+    parser.add_argument(
+        "--tls-cert",
+        default=_env(service, "TLS_CERT", ""),
+        help="PEM certificate chain: serve TLS (with --tls-key)",
+    )
+    parser.add_argument("--tls-key", default=_env(service, "TLS_KEY", ""), help="PEM private key")
+    parser.add_argument(
+        "--tls-client-ca",
+        default=_env(service, "TLS_CLIENT_CA", ""),
+        help="PEM CA of client certificates: require mutual TLS",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        default=_env(service, "AUTH_TOKEN_FILE", ""),
+        help="file of accepted bearer tokens, one per line (default: no auth)",
+    )
 
 
 def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
     """Reads the flags added by add_server_arguments."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+    tls = None
+    if args.tls_cert:
+        tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca or None)
     return ServerOptions(
         host=args.host,
         port=args.port,
@@ -82,14 +109,22 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         grace_s=args.grace_s,
         max_workers=args.max_workers,
         max_message_bytes=args.max_message_bytes,
+        tls=tls,
+        auth_tokens=read_tokens(args.auth_token_file),
     )
 
 
 class GrpcService:
     """A started server with its health status."""
 
-    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
-                 service_names: Sequence[str], grace_s: float) -> None:
+    def __init__(
+        self,
+        server: grpc.Server,
+        port: int,
+        health_servicer: health.HealthServicer,
+        service_names: Sequence[str],
+        grace_s: float,
+    ) -> None:
         self.server = server
         self.port = port
         self._health = health_servicer
@@ -136,9 +171,10 @@ def start_server(
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+    auth = [TokenAuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_workers),
-        interceptors=[MetricsInterceptor(), *interceptors, *interceptors_from_env()],
+        interceptors=[*auth, MetricsInterceptor(), *interceptors, *interceptors_from_env()],
         options=message_options,
     )
     register(server)
@@ -147,7 +183,11 @@ def start_server(
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.host}:{options.port}"
+    if options.tls is not None:
+        port = server.add_secure_port(address, options.tls.credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {options.host}:{options.port}")
     server.start()
