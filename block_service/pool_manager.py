@@ -1,0 +1,294 @@
+"""One pool's sequences: allocate / append / fork / commit / free with copy-on-write.
+
+Every operation validates everything and checks for space before it changes anything, so a
+failed operation (any status but OK) leaves the pool as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from block_service.block_pool import BlockPool, Publish
+from block_service.hashing import block_hash, root_hash
+from block_service.ops import (
+    INT32_MAX,
+    NOT_CHANGED,
+    STATUS_INVALID_ARGUMENT,
+    STATUS_NO_SPACE,
+    STATUS_NOT_FOUND,
+    STATUS_STALE,
+    OpResult,
+)
+from block_service.sequence import Sequence, num_blocks_for, slots_for
+
+
+def failed(status: int, error: str) -> OpResult:
+    """The result of an operation that changed nothing."""
+    return OpResult(status=status, error=error)
+
+
+def bad_tokens(token_ids: Seq[int]) -> str:
+    """Why these tokens are not acceptable, or "" when they are."""
+    if not token_ids:
+        return "token_ids is empty"
+    if min(token_ids) < 0:
+        return f"negative token id {min(token_ids)}"
+    if max(token_ids) > INT32_MAX:
+        return f"token id {max(token_ids)} does not fit in int32"
+    return ""
+
+
+class PoolManager:
+    """The sequences of one pool (by session, then seq id) over a BlockPool."""
+
+    def __init__(self, pool_id: str, num_blocks: int, block_size: int, epoch: int,
+                 free_order: Seq[int] | None = None) -> None:
+        self.pool_id = pool_id
+        self.epoch = epoch
+        self.pool = BlockPool(num_blocks, block_size, free_order)
+        self.block_size = block_size
+        self.shift = block_size.bit_length() - 1  # block_size is a power of two
+        self.seqs: dict[str, dict[int, Sequence]] = {}
+        # Sequences of an earlier epoch, by session: their next operation answers STALE.
+        self.stale: dict[str, set[int]] = {}
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.copies = 0
+        self.no_space = 0
+
+    # ---- lookups -------------------------------------------------------------------------
+    def session_seqs(self, session_id: str) -> dict[int, Sequence]:
+        """The (live) sequences a session holds here, created empty on first use."""
+        seqs = self.seqs.get(session_id)
+        if seqs is None:
+            seqs = self.seqs[session_id] = {}
+        return seqs
+
+    def holds(self, session_id: str, seq_id: int) -> bool:
+        """Whether the session has a live sequence `seq_id` here."""
+        return seq_id in self.seqs.get(session_id, ())
+
+    def num_sequences(self) -> int:
+        """Live sequences of every session."""
+        return sum(len(seqs) for seqs in self.seqs.values())
+
+    def _find(self, session_id: str, seq_id: int) -> Sequence | OpResult:
+        """The live sequence, or the failure: STALE (then forgotten) or NOT_FOUND."""
+        seq = self.seqs.get(session_id, {}).get(seq_id)
+        if seq is not None:
+            return seq
+        stale = self.stale.get(session_id)
+        if stale is not None and seq_id in stale:
+            stale.discard(seq_id)
+            return failed(STATUS_STALE, f"sequence {seq_id} was lost with an earlier epoch of "
+                                        f"pool {self.pool_id!r}; allocate it again")
+        return failed(STATUS_NOT_FOUND, f"sequence {seq_id} not found in pool {self.pool_id!r}")
+
+    def _bad_computed(self, seq: Sequence, num_computed: int) -> str:
+        """Why a reported num_computed_tokens is not acceptable, or ""."""
+        if num_computed < NOT_CHANGED or num_computed > len(seq.tokens):
+            return (f"num_computed_tokens {num_computed} is outside -1 .. {len(seq.tokens)} "
+                    "(the sequence's length)")
+        return ""
+
+    def _too_big(self, num_tokens: int) -> str:
+        """Why a sequence of `num_tokens` can never fit in this pool, or ""."""
+        needed = num_blocks_for(num_tokens, self.block_size)
+        if needed > self.pool.num_blocks:
+            return (f"{num_tokens} tokens need {needed} blocks; pool {self.pool_id!r} has "
+                    f"only {self.pool.num_blocks}")
+        return ""
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def match(self, token_ids: Seq[int], parent: bytes, max_blocks: int) -> tuple[
+            list[int], list[bytes]]:
+        """The longest run of cached blocks (at most max_blocks) and their hashes."""
+        size = self.block_size
+        lookup = self.pool.lookup
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        for index in range(max_blocks):
+            tokens = token_ids[index * size:(index + 1) * size]
+            digest = block_hash(parent, tokens)
+            block = lookup(parent, digest, tokens)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(digest)
+            parent = digest
+        return blocks, hashes
+
+    def match_prefix(self, token_ids: Seq[int], cache_salt: str) -> int:
+        """Leading tokens held by computed cached blocks (whole blocks; may be all of them)."""
+        blocks, _ = self.match(token_ids, root_hash(cache_salt), len(token_ids) >> self.shift)
+        return len(blocks) * self.block_size
+
+    def set_computed(self, seq: Sequence, num_computed: int) -> None:
+        """Records computed tokens and publishes the full blocks they complete."""
+        if num_computed <= seq.num_computed:
+            return  # -1 (unchanged) or an old report: num_computed never decreases
+        seq.num_computed = num_computed
+        if seq.publishing and num_computed >> self.shift > seq.num_published:
+            self._publish(seq, num_computed >> self.shift)
+
+    def _publish(self, seq: Sequence, num_full: int) -> None:
+        """Publishes blocks num_published .. num_full - 1 of `seq`.
+
+        A hash already held by another block keeps that block canonical (twins admitted in the
+        same step); on a collision the sequence stops publishing.
+        """
+        size = self.block_size
+        parent = seq.hashes[-1] if seq.hashes else seq.root
+        for index in range(seq.num_published, num_full):
+            tokens = seq.tokens[index * size:(index + 1) * size]
+            digest = block_hash(parent, tokens)
+            if self.pool.publish(seq.block_table[index], digest, parent, tokens) is \
+                    Publish.COLLISION:
+                seq.publishing = False
+                break
+            seq.hashes.append(digest)
+            parent = digest
+        seq.num_published = len(seq.hashes)
+
+    # ---- operations ----------------------------------------------------------------------
+    def allocate(self, session_id: str, seq_id: int, token_ids: Seq[int],
+                 cache_salt: str = "") -> OpResult:
+        """A new sequence for a prompt: the longest cached prefix, then new blocks.
+
+        The caller has checked that the session holds no sequence `seq_id` (in any pool).
+        """
+        error = bad_tokens(token_ids) or self._too_big(len(token_ids))
+        if error:
+            return failed(STATUS_INVALID_ARGUMENT, error)
+        size, pool = self.block_size, self.pool
+        num_tokens = len(token_ids)
+        root = root_hash(cache_salt)
+        # Never the whole prompt: the last token is always computed.
+        cached, hashes = self.match(token_ids, root, (num_tokens - 1) >> self.shift)
+        needed = num_blocks_for(num_tokens, size) - len(cached)
+        hits_on_free = sum(1 for block in cached if pool.ref_counts[block] == 0)
+        if needed > pool.num_free() - hits_on_free:
+            self.no_space += 1
+            return failed(STATUS_NO_SPACE, f"{needed} blocks needed, "
+                                           f"{pool.num_free() - hits_on_free} free")
+        for block in cached:
+            pool.acquire(block)
+        table = cached + [pool.take() for _ in range(needed)]
+        num_cached = len(cached) * size
+        self.session_seqs(session_id)[seq_id] = Sequence(
+            list(token_ids), table, num_cached, hashes, root)
+        self.stale.get(session_id, set()).discard(seq_id)
+        self.prompt_tokens += num_tokens
+        self.cached_prompt_tokens += num_cached
+        return OpResult(num_cached_tokens=num_cached, table_start=0, table_block_ids=list(table),
+                        slots=slots_for(table, size, num_cached, num_tokens))
+
+    def append(self, session_id: str, seq_id: int, token_ids: Seq[int],
+               num_computed: int = NOT_CHANGED) -> OpResult:
+        """Appends tokens: new blocks past a boundary, a private copy of a shared last block.
+
+        The result's table change starts at the first index that changed (len(table) and no
+        ids when none did).
+        """
+        seq = self._find(session_id, seq_id)
+        if isinstance(seq, OpResult):
+            return seq
+        old_len = len(seq.tokens)
+        error = (bad_tokens(token_ids) or self._bad_computed(seq, num_computed)
+                 or self._too_big(old_len + len(token_ids)))
+        if error:
+            return failed(STATUS_INVALID_ARGUMENT, error)
+        pool, table = self.pool, seq.block_table
+        new_len = old_len + len(token_ids)
+        new_blocks = num_blocks_for(new_len, self.block_size) - len(table)
+        # Writing into a partly filled block that a fork shares: copy it first.
+        copy_last = old_len % self.block_size != 0 and pool.ref_counts[table[-1]] > 1
+        if new_blocks + copy_last > pool.num_free():
+            self.no_space += 1
+            return failed(STATUS_NO_SPACE, f"{new_blocks + copy_last} blocks needed, "
+                                           f"{pool.num_free()} free")
+        self.set_computed(seq, num_computed)
+        start = len(table)
+        copies: list[tuple[int, int]] = []
+        if copy_last:
+            start -= 1
+            source, copy = table[-1], pool.take()
+            pool.release(source)  # still referenced by the other sharers
+            table[-1] = copy
+            copies.append((source, copy))
+            self.copies += 1
+        table.extend(pool.take() for _ in range(new_blocks))
+        seq.tokens.extend(token_ids)
+        return OpResult(table_start=start, table_block_ids=table[start:], copies=copies,
+                        slots=slots_for(table, self.block_size, old_len, new_len))
+
+    def _find_and_commit(self, session_id: str, seq_id: int,
+                         num_computed: int) -> Sequence | OpResult:
+        """The sequence with a reported num_computed_tokens recorded, or the failure."""
+        seq = self._find(session_id, seq_id)
+        if isinstance(seq, OpResult):
+            return seq
+        error = self._bad_computed(seq, num_computed)
+        if error:
+            return failed(STATUS_INVALID_ARGUMENT, error)
+        self.set_computed(seq, num_computed)
+        return seq
+
+    def commit(self, session_id: str, seq_id: int, num_computed: int) -> OpResult:
+        """Only records num_computed_tokens (publishing the full blocks it completes)."""
+        seq = self._find_and_commit(session_id, seq_id, num_computed)
+        if isinstance(seq, OpResult):
+            return seq
+        return OpResult(table_start=len(seq.block_table))
+
+    def free(self, session_id: str, seq_id: int, num_computed: int = NOT_CHANGED) -> OpResult:
+        """Drops the sequence; its blocks' refs go down, computed full blocks stay cached.
+
+        Blocks are released tail first so that, among equally old cached blocks, a prefix's
+        tail is evicted before its head.
+        """
+        seq = self._find_and_commit(session_id, seq_id, num_computed)
+        if isinstance(seq, OpResult):
+            return seq
+        release = self.pool.release
+        released = sum(release(block) for block in reversed(seq.block_table))
+        del self.seqs[session_id][seq_id]
+        return OpResult(num_released_blocks=released)
+
+    def fork(self, session_id: str, parent_id: int, child_id: int,
+             num_computed: int = NOT_CHANGED) -> OpResult:
+        """A child sharing every block of the parent (copy-on-write on its first write).
+
+        `num_computed` is the parent's, recorded first. The caller has checked that the
+        session holds no sequence `child_id` (in any pool).
+        """
+        parent = self._find_and_commit(session_id, parent_id, num_computed)
+        if isinstance(parent, OpResult):
+            return parent
+        child = parent.fork()
+        for block in child.block_table:
+            self.pool.acquire(block)
+        self.session_seqs(session_id)[child_id] = child
+        self.stale.get(session_id, set()).discard(child_id)
+        return OpResult(table_start=0, table_block_ids=list(child.block_table))
+
+    # ---- whole-pool changes --------------------------------------------------------------
+    def free_session(self, session_id: str) -> int:
+        """Frees every sequence of a session (lease ended); returns how many."""
+        seqs = self.seqs.get(session_id, {})
+        seq_ids = list(seqs)
+        for seq_id in seq_ids:
+            self.free(session_id, seq_id)
+        self.seqs.pop(session_id, None)
+        self.stale.pop(session_id, None)
+        return len(seq_ids)
+
+    def new_epoch(self, epoch: int, num_blocks: int, block_size: int) -> None:
+        """The runner lost its KV: every block is free and uncached, every sequence stale."""
+        for session_id, seqs in self.seqs.items():
+            self.stale.setdefault(session_id, set()).update(seqs)
+        self.seqs = {}
+        self.epoch = epoch
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.shift = block_size.bit_length() - 1

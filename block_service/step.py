@@ -1,0 +1,140 @@
+"""Applying one Step: every operation of a scheduling step, in order, one result each.
+
+The hot path of a serving step is a decode append of one token: into the sequence's last
+block when it has room and is not shared, or into a new block when the token starts one.
+`run_step` handles exactly those cases inline (no per-operation call or object); every other
+operation, or anything unusual about those (unknown sequence, copy-on-write, no free block,
+a bad value), goes through `apply_op` and the PoolManager methods, which validate fully.
+Both ways do the same checks, so an operation gets the same answer on either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from block_service.ops import (
+    INT32_MAX,
+    NOT_CHANGED,
+    OP_ALLOCATE,
+    OP_APPEND,
+    OP_COMMIT,
+    OP_FORK,
+    OP_FREE,
+    STATUS_ALREADY_EXISTS,
+    STATUS_INVALID_ARGUMENT,
+    STATUS_OK,
+    OpResult,
+    StepResult,
+)
+from block_service.pool_manager import PoolManager, failed
+
+# Whether the session holds this seq id in another pool (seq ids are unique per session).
+HeldElsewhere = Callable[[int], bool]
+
+
+def apply_op(pm: PoolManager, session_id: str, kind: int, seq_id: int, token_ids: Sequence[int],
+             parent_id: int, num_computed: int, cache_salt: str,
+             held_elsewhere: HeldElsewhere) -> OpResult:
+    """One operation through the fully validating PoolManager methods."""
+    if num_computed < NOT_CHANGED:
+        return failed(STATUS_INVALID_ARGUMENT, f"num_computed_tokens {num_computed} < -1")
+    if kind == OP_APPEND:
+        return pm.append(session_id, seq_id, token_ids, num_computed)
+    if kind == OP_ALLOCATE:
+        if pm.holds(session_id, seq_id) or held_elsewhere(seq_id):
+            return failed(STATUS_ALREADY_EXISTS, f"sequence {seq_id} already exists")
+        return pm.allocate(session_id, seq_id, token_ids, cache_salt)
+    if kind not in (OP_FREE, OP_FORK, OP_COMMIT):
+        return failed(STATUS_INVALID_ARGUMENT, f"unknown op kind {kind}")
+    if token_ids:
+        return failed(STATUS_INVALID_ARGUMENT, f"op kind {kind} takes no tokens "
+                                               f"(token_count {len(token_ids)})")
+    if kind == OP_FREE:
+        return pm.free(session_id, seq_id, num_computed)
+    if kind == OP_COMMIT:
+        return pm.commit(session_id, seq_id, num_computed)
+    if pm.holds(session_id, seq_id) or held_elsewhere(seq_id):
+        return failed(STATUS_ALREADY_EXISTS, f"fork child {seq_id} already exists")
+    return pm.fork(session_id, parent_id, seq_id, num_computed)
+
+
+def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int],
+             seq_ids: Sequence[int], token_counts: Sequence[int], token_ids: Sequence[int],
+             parent_ids: Sequence[int], computed: Sequence[int],
+             cache_salts: Mapping[int, str], held_elsewhere: HeldElsewhere) -> StepResult:
+    """Applies the (already shape-checked) columns of a Step in order."""
+    num_ops = len(kinds)
+    statuses = [STATUS_OK] * num_ops
+    cached = [0] * num_ops
+    starts = [0] * num_ops
+    table_counts = [0] * num_ops
+    slot_counts = list(token_counts)  # right for every successful op but ALLOCATE
+    block_ids: list[int] = []
+    slots: list[int] = []
+    copies: list[tuple[int, int]] = []
+    errors: dict[int, str] = {}
+    # Bound once: the fast paths below run per decode token.
+    seqs_get = pm.session_seqs(session_id).get
+    pool = pm.pool
+    refs = pool.ref_counts
+    take = pool.take
+    num_free = pool.num_free
+    capacity = pool.num_blocks
+    set_computed = pm.set_computed
+    shift = pm.shift
+    mask = pm.block_size - 1
+    add_slot = slots.append
+    add_block = block_ids.append
+    offset = 0
+    for i, kind, count, seq_id, num_computed in zip(range(num_ops), kinds, token_counts,
+                                                    seq_ids, computed, strict=True):
+        if count == 1 and kind == OP_APPEND:
+            seq = seqs_get(seq_id)
+            if seq is not None:
+                token = token_ids[offset]
+                tokens = seq.tokens
+                position = len(tokens)
+                if 0 <= token <= INT32_MAX and NOT_CHANGED <= num_computed <= position:
+                    table = seq.block_table
+                    column = position & mask  # 0: the token starts a new block
+                    if column:
+                        last = table[-1]
+                        if refs[last] == 1:  # not shared: write in place
+                            if num_computed > seq.num_computed:
+                                if num_computed >> shift > seq.num_published:
+                                    set_computed(seq, num_computed)  # publishes blocks
+                                else:
+                                    seq.num_computed = num_computed
+                            tokens.append(token)
+                            starts[i] = len(table)
+                            add_slot((last << shift) | column)
+                            offset += 1
+                            continue
+                    elif len(table) < capacity and num_free():
+                        set_computed(seq, num_computed)
+                        block = take()
+                        starts[i] = len(table)
+                        table_counts[i] = 1
+                        table.append(block)
+                        tokens.append(token)
+                        add_block(block)
+                        add_slot(block << shift)
+                        offset += 1
+                        continue
+        result = apply_op(pm, session_id, kind, seq_id, token_ids[offset:offset + count],
+                          parent_ids[i], num_computed, cache_salts.get(i, ""), held_elsewhere)
+        offset += count
+        statuses[i] = result.status
+        if result.status != STATUS_OK:
+            errors[i] = result.error
+            slot_counts[i] = 0
+            continue
+        cached[i] = result.num_cached_tokens
+        starts[i] = result.table_start
+        table_counts[i] = len(result.table_block_ids)
+        block_ids.extend(result.table_block_ids)
+        slot_counts[i] = len(result.slots)
+        slots.extend(result.slots)
+        copies.extend(result.copies)
+    return StepResult(step_id, pm.epoch, statuses, cached, starts, table_counts, block_ids,
+                      slot_counts, slots, copies, errors)
