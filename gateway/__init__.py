@@ -1,0 +1,1 @@
+"""pagewire's gateway: public API, continuous-batching scheduler, streaming, CLI and launcher."""

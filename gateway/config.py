@@ -1,0 +1,106 @@
+"""The gateway's settings and the command-line flags that set them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+DEFAULT_GATEWAY_PORT = 50051
+# A Generate stream holds a server thread for its whole life, so the gateway needs many more
+# workers than the unary services.
+DEFAULT_MAX_WORKERS = 256
+
+
+@dataclass
+class GatewayConfig:
+    """What the gateway connects to and how it schedules."""
+
+    block_service: str = "127.0.0.1:50052"
+    runner: str = "127.0.0.1:50053"
+    model: str | None = None  # model spec for the tokenizer (None: the default model)
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 64
+    max_waiting: int = 1024
+    max_n: int = 16
+    lease_ttl_ms: int = 10_000
+    pool_id: str = ""  # empty: the runner's address
+    client_name: str = "gateway"
+    rpc_timeout_s: float = 120.0
+    # How the gateway reaches the block service and the runner when they serve TLS / tokens.
+    backend_tls_ca: str = ""  # CA of their certificates: TLS on when set
+    backend_tls_cert: str = ""  # the gateway's certificate, for mutual TLS
+    backend_tls_key: str = ""
+    backend_token: str = ""  # bearer token sent to them
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be >= 1")
+        if self.max_waiting < 1:
+            raise ValueError("--max-waiting must be >= 1")
+        if self.max_n < 1:
+            raise ValueError("--max-n must be >= 1")
+
+    @property
+    def effective_pool_id(self) -> str:
+        return self.pool_id or self.runner
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the gateway's own flags (the server flags come from common.server)."""
+    defaults = GatewayConfig()
+    parser.add_argument("--block-service", default=defaults.block_service,
+                        help="block service address host:port")
+    parser.add_argument("--runner", default=defaults.runner, help="gpu runner address host:port")
+    parser.add_argument("--model", default=None,
+                        help="model spec for the tokenizer: a folder, a .gguf file or 'default'")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=defaults.max_num_batched_tokens,
+                        help="tokens computed per scheduling step (decodes + prefill chunks)")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                        help="sequences running at once")
+    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
+                        help="requests queued before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n per request")
+    parser.add_argument("--lease-ttl-ms", type=int, default=defaults.lease_ttl_ms,
+                        help="block-service session lease asked for")
+    parser.add_argument("--pool-id", default="",
+                        help="KV pool name in the block service (default: the runner address)")
+    parser.add_argument("--backend-tls-ca", default="",
+                        help="PEM CA of the backends' certificates: connect over TLS")
+    parser.add_argument("--backend-tls-cert", default="",
+                        help="PEM client certificate for mutual TLS with the backends")
+    parser.add_argument("--backend-tls-key", default="", help="its PEM private key")
+    parser.add_argument("--backend-auth-token-file", default="",
+                        help="file whose first line is the bearer token sent to the backends")
+    if "PAGEWIRE_GATEWAY_MAX_WORKERS" not in os.environ:
+        parser.set_defaults(max_workers=DEFAULT_MAX_WORKERS)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """Reads the flags added by add_gateway_arguments."""
+    return GatewayConfig(
+        block_service=args.block_service,
+        runner=args.runner,
+        model=args.model,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        max_n=args.max_n,
+        lease_ttl_ms=args.lease_ttl_ms,
+        pool_id=args.pool_id,
+        client_name=f"gateway@{args.host}:{args.port}",
+        backend_tls_ca=args.backend_tls_ca,
+        backend_tls_cert=args.backend_tls_cert,
+        backend_tls_key=args.backend_tls_key,
+        backend_token=_first_line(args.backend_auth_token_file),
+    )
+
+
+def _first_line(path: str) -> str:
+    if not path:
+        return ""
+    with open(path) as token_file:
+        return token_file.readline().strip()

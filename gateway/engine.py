@@ -1,0 +1,446 @@
+"""The step loop: one block-service Step and one runner Execute per scheduling step.
+
+One thread owns the scheduler and every request's state. Servicer threads only hand
+requests in (`submit`) and ask for aborts (`abort`); both wake the loop. A second thread
+keeps the block-service session alive. When the runner's epoch changes (it restarted and
+lost its KV cache) or the session is lost, the engine re-creates the pool and a session and
+puts every running sequence back in the queue to be recomputed: streams go on unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from gateway import metrics
+from gateway.config import GatewayConfig
+from gateway.request import Request, TokenLogprobs
+from gateway.scheduler import Scheduler, StepOutcome, StepPlan, Work
+from gateway.sequence import SeqStatus
+from gateway.step_builder import (
+    SamplingRow,
+    build_execute_request,
+    build_step_request,
+    parse_step_response,
+    sampled_sequences,
+)
+from protos import block_pb2, block_pb2_grpc, runner_pb2, runner_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# The session or pool is gone, or the runner restarted: recover by starting over.
+_LOST = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+_RETRY_DELAYS_S = (0.05, 0.2, 0.5, 1.0, 2.0)
+_IDLE_WAIT_S = 0.5
+_NO_PROGRESS_WAIT_S = 0.01
+
+T = TypeVar("T")
+
+
+class AdmissionError(Exception):
+    """The waiting queue is full."""
+
+
+class BackendLost(Exception):
+    """The session, the pool or the runner's KV cache is gone: reset and recompute."""
+
+
+@dataclass
+class BackendInfo:
+    """The runner's description, as the gateway serves it."""
+
+    model: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    epoch: int
+
+    @property
+    def max_len(self) -> int:
+        """Longest prompt + output: the model's limit, or what the whole pool can hold."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+
+def call_with_retry(rpc: Callable[..., T], request: Any, timeout_s: float) -> T:
+    """Calls a unary RPC, retrying while the peer is unavailable (all our RPCs are safe to
+    retry: Step and Execute deduplicate by step id)."""
+    for delay in (*_RETRY_DELAYS_S, None):
+        try:
+            return rpc(request, timeout=timeout_s)
+        except grpc.RpcError as error:
+            if error.code() not in _RETRYABLE or delay is None:  # type: ignore[attr-defined]
+                raise
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class Engine:
+    """Schedules and runs every request of one gateway."""
+
+    def __init__(self, config: GatewayConfig, block_channel: grpc.Channel,
+                 runner_channel: grpc.Channel) -> None:
+        self.config = config
+        self._blocks = block_pb2_grpc.BlockServiceStub(block_channel)
+        self._runner = runner_pb2_grpc.RunnerServiceStub(runner_channel)
+        self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs)
+        self.info: BackendInfo | None = None
+        self._session_id = ""
+        self._step_id = 0
+        self._requests: dict[str, Request] = {}  # engine thread only
+        self._lock = threading.Condition()
+        self._inbox: list[Request] = []
+        self._aborts: set[str] = set()
+        self._num_waiting = 0  # sequences the scheduler holds in its queue (read by submit)
+        self._needs_reset = False
+        self._stopping = threading.Event()
+        self._loop_thread: threading.Thread | None = None
+        self._keepalive_thread: threading.Thread | None = None
+
+    # ----- life cycle ----------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 300.0) -> BackendInfo:
+        """Waits for the runner, creates the pool, opens a session, starts the threads."""
+        self.info = self._wait_for_runner(timeout_s)
+        self._create_pool(self.info)
+        self._open_session()
+        self._loop_thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._keepalive_thread = threading.Thread(
+            target=self._keep_alive, name="engine-keepalive", daemon=True
+        )
+        self._loop_thread.start()
+        self._keepalive_thread.start()
+        return self.info
+
+    def stop(self) -> None:
+        """Ends the loop; unfinished requests end with finish reason abort."""
+        self._stopping.set()
+        with self._lock:
+            self._lock.notify_all()
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=30)
+        for request in [*self._requests.values(), *self._inbox]:
+            request.abort_outputs()
+            request.flush()
+        self._close_session()
+
+    def _wait_for_runner(self, timeout_s: float) -> BackendInfo:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = self._runner.Info(runner_pb2.InfoRequest(), timeout=10)
+                return _backend_info(reply)
+            except grpc.RpcError as error:
+                code = error.code()  # type: ignore[attr-defined]
+                # Only a runner that is not up yet (or still loading) is worth waiting for.
+                if (code not in _RETRYABLE or time.monotonic() > deadline
+                        or self._stopping.is_set()):
+                    raise
+                log.info("waiting for the runner: %s", code)
+                time.sleep(0.5)
+
+    def _create_pool(self, info: BackendInfo) -> None:
+        call_with_retry(self._blocks.CreatePool, block_pb2.CreatePoolRequest(
+            pool_id=self.config.effective_pool_id, num_blocks=info.num_blocks,
+            block_size=info.block_size, epoch=info.epoch,
+        ), self.config.rpc_timeout_s)
+
+    def _open_session(self) -> None:
+        reply = call_with_retry(self._blocks.OpenSession, block_pb2.OpenSessionRequest(
+            client_name=self.config.client_name, lease_ttl_ms=self.config.lease_ttl_ms,
+        ), self.config.rpc_timeout_s)
+        self._session_id = reply.session_id
+        self._lease_ttl_ms = reply.lease_ttl_ms or self.config.lease_ttl_ms
+        self._step_id = 0
+        log.info("block-service session %s (lease %d ms)", self._session_id, self._lease_ttl_ms)
+
+    def _close_session(self) -> None:
+        if not self._session_id:
+            return
+        try:
+            self._blocks.CloseSession(
+                block_pb2.CloseSessionRequest(session_id=self._session_id), timeout=5
+            )
+        except grpc.RpcError as error:
+            log.info("closing the session: %s", error.code())  # type: ignore[attr-defined]
+        self._session_id = ""
+
+    def _keep_alive(self) -> None:
+        while not self._stopping.wait(self._lease_ttl_ms / 3000):
+            session_id = self._session_id
+            try:
+                self._blocks.KeepAlive(block_pb2.KeepAliveRequest(session_id=session_id),
+                                       timeout=max(1.0, self._lease_ttl_ms / 3000))
+            except grpc.RpcError as error:
+                code = error.code()  # type: ignore[attr-defined]
+                if code in _LOST and session_id == self._session_id:
+                    log.warning("session %s lost (%s): resetting", session_id, code)
+                    with self._lock:
+                        self._needs_reset = True
+                        self._lock.notify_all()
+                else:
+                    log.info("keep-alive failed: %s", code)
+
+    # ----- requests (any thread) -----------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Queues a validated request; AdmissionError when the waiting queue is full."""
+        with self._lock:
+            if self._stopping.is_set():
+                raise AdmissionError("the gateway is shutting down")
+            if len(self._inbox) + self._num_waiting >= self.config.max_waiting:
+                raise AdmissionError(
+                    f"waiting queue full ({self.config.max_waiting} requests): retry later"
+                )
+            self._inbox.append(request)
+            self._lock.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Asks the loop to end a request and free its blocks in the next step."""
+        with self._lock:
+            self._aborts.add(request_id)
+            self._lock.notify_all()
+
+    # ----- the loop (engine thread) --------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._iteration()
+            except Exception:  # a bug must not silently kill every stream
+                log.exception("engine step failed")
+                try:
+                    self._fail_everything(None)
+                except Exception:
+                    log.exception("failing the requests failed too")
+                    self._stopping.wait(1.0)
+
+    def _iteration(self) -> None:
+        """Takes what came in, then runs one step (or waits for work)."""
+        try:
+            self._take_inbox()
+            if self._needs_reset:
+                self._reset()
+            if not self.scheduler.has_work:
+                self._wait_for_work()
+                return
+            self._one_step()
+        except BackendLost as error:
+            log.warning("backend lost (%s): recomputing every running sequence", error)
+            self._needs_reset = True
+        except grpc.RpcError as error:
+            self._fail_everything(error)
+
+    def _wait_for_work(self) -> None:
+        with self._lock:
+            if not self._inbox and not self._aborts and not self._needs_reset:
+                self._lock.wait(_IDLE_WAIT_S)
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for request in inbox:
+            self._requests[request.request_id] = request
+            self.scheduler.add(request.initial_sequences)
+        for request_id in aborts:
+            aborted = self._requests.pop(request_id, None)
+            if aborted is not None:
+                self._end_request(aborted, "aborted")
+        self._update_gauges()
+
+    def _end_request(self, request: Request, outcome: str,
+                     error: tuple[str, str] | None = None) -> None:
+        """Takes a request's sequences out (freed in the next Step) and ends its stream:
+        with finish reason abort, or with the error status `error` (code name, message)."""
+        for seq in request.sequences:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq)
+        if error is None:
+            request.abort_outputs()
+            request.flush()
+        else:
+            request.fail(*error)
+        metrics.REQUESTS.labels(outcome).inc()
+
+    def _one_step(self) -> None:
+        with metrics.LOOP_SECONDS.time():
+            self._plan_and_run_step()
+
+    def _plan_and_run_step(self) -> None:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            time.sleep(_NO_PROGRESS_WAIT_S)
+            return
+        try:
+            response = self._send_step(plan)
+            results = parse_step_response(response, plan.num_ops)
+            outcome = self.scheduler.apply_results(plan, results)
+            if outcome.stale:
+                raise BackendLost("the pool's epoch changed")
+            self._apply_outcome(outcome)
+            if not outcome.work:
+                if plan.allocates or outcome.preempted:
+                    time.sleep(_NO_PROGRESS_WAIT_S)  # nothing fits yet: do not spin
+                return
+            reply = self._execute(outcome.work, list(response.copies))
+        except Exception:
+            self.scheduler.abandon(plan)  # every failure resets: keep the queue whole
+            raise
+        self.scheduler.on_executed(outcome.work)
+        self._take_samples(outcome.work, reply)
+
+    def _send_step(self, plan: StepPlan) -> block_pb2.StepResponse:
+        assert self.info is not None
+        self._step_id += 1
+        salts = {r.request_id: r.cache_salt for r in self._requests.values() if r.cache_salt}
+        request = build_step_request(plan, self._session_id, self.config.effective_pool_id,
+                                     self._step_id, self.info.epoch, salts)
+        metrics.STEPS.inc()
+        try:
+            with metrics.STEP_SECONDS.time():
+                return call_with_retry(self._blocks.Step, request, self.config.rpc_timeout_s)
+        except grpc.RpcError as error:
+            if error.code() in _LOST:  # type: ignore[attr-defined]
+                raise BackendLost(error.details()) from error  # type: ignore[attr-defined]
+            raise
+
+    def _apply_outcome(self, outcome: StepOutcome) -> None:
+        if outcome.preempted:
+            metrics.PREEMPTIONS.inc(len(outcome.preempted))
+            log.info("preempted %d sequence(s) for recompute", len(outcome.preempted))
+        for seq, cached in outcome.newly_cached:
+            request = self._requests.get(seq.request_id)
+            if request is not None:
+                request.cached_tokens = max(request.cached_tokens, cached)
+        for seq, error in outcome.failed:
+            request = self._requests.pop(seq.request_id, None)
+            if request is not None:
+                log.error("request %s failed in the block service: %s", seq.request_id, error)
+                self._end_request(request, "failed", ("INTERNAL", f"block service: {error}"))
+        self._update_gauges()
+
+    def _execute(self, work: list[Work], copies: list[block_pb2.BlockCopy]
+                 ) -> runner_pb2.ExecuteResponse:
+        assert self.info is not None
+        rows = {
+            request_id: SamplingRow(r.params.temperature, r.params.top_p, r.params.top_k,
+                                    r.params.min_p, r.params.logprobs)
+            for request_id, r in self._requests.items()
+        }
+        request = build_execute_request(work, copies, self.info.epoch, self._session_id,
+                                        self._step_id, rows)
+        metrics.EXECUTES.inc()
+        metrics.BATCH_SEQS.observe(len(work))
+        metrics.BATCH_TOKENS.observe(len(request.token_ids))
+        metrics.SCHEDULED_TOKENS.inc(len(request.token_ids))
+        try:
+            with metrics.EXECUTE_SECONDS.time():
+                reply = call_with_retry(self._runner.Execute, request, self.config.rpc_timeout_s)
+            metrics.RUNNER_SECONDS.observe(reply.total_ms / 1000)
+            return reply
+        except grpc.RpcError as error:
+            if error.code() in _LOST:  # type: ignore[attr-defined]
+                raise BackendLost(error.details()) from error  # type: ignore[attr-defined]
+            raise
+
+    def _take_samples(self, work: list[Work], reply: runner_pb2.ExecuteResponse) -> None:
+        sampled = sampled_sequences(work)
+        if len(reply.token_ids) != len(sampled):
+            raise RuntimeError(
+                f"runner returned {len(reply.token_ids)} tokens for {len(sampled)} sequences"
+            )
+        logprobs = _split_logprobs(reply)
+        metrics.GENERATED_TOKENS.inc(len(sampled))
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(sampled):
+            request = self._requests.get(seq.request_id)
+            if request is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            if request.add_token(seq, reply.token_ids[i], logprobs[i] if logprobs else None):
+                self.scheduler.finish(seq)
+            touched[request.request_id] = request
+        for request in touched.values():
+            request.flush()
+            if request.closed:
+                self._requests.pop(request.request_id, None)
+                metrics.REQUESTS.labels("finished").inc()
+
+    # ----- recovery ------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        """Starts over with the runner's current epoch and a new session; running sequences
+        are recomputed from their tokens so far."""
+        self.info = self._wait_for_runner(self.config.rpc_timeout_s)
+        self._create_pool(self.info)
+        self._close_session()
+        self._open_session()
+        requeued = self.scheduler.reset_all()
+        self._needs_reset = False
+        log.info("reset at epoch %d: %d sequence(s) to recompute", self.info.epoch, len(requeued))
+
+    def _fail_everything(self, error: grpc.RpcError | None) -> None:
+        """A dependency stayed down: end every request with UNAVAILABLE and start over."""
+        if error is not None:
+            code = error.code()  # type: ignore[attr-defined]
+            details = error.details()  # type: ignore[attr-defined]
+            if code in _RETRYABLE:
+                message, code_name = f"backend unavailable: {details}", "UNAVAILABLE"
+            else:  # the backend refused what the gateway sent: a gateway bug
+                message, code_name = f"backend refused a step: {code.name}: {details}", "INTERNAL"
+        else:
+            message, code_name = "internal error in the gateway's step loop", "INTERNAL"
+        log.error("%s: failing %d request(s)", message, len(self._requests))
+        for request in list(self._requests.values()):
+            self._end_request(request, "failed", (code_name, message))
+        self._requests.clear()
+        self.scheduler.reset_all()
+        self.scheduler.waiting.clear()
+        self._needs_reset = True
+        self._stopping.wait(0.5)
+
+    def _update_gauges(self) -> None:
+        waiting = len(self.scheduler.waiting)
+        self._num_waiting = waiting
+        metrics.WAITING.set(waiting)
+        metrics.RUNNING.set(len(self.scheduler.running))
+
+    def new_seed(self) -> int:
+        return random.getrandbits(63)
+
+
+def _backend_info(reply: runner_pb2.InfoResponse) -> BackendInfo:
+    return BackendInfo(
+        model=reply.model, architecture=reply.architecture, vocab_size=reply.vocab_size,
+        eos_token_ids=list(reply.eos_token_ids), max_model_len=reply.max_model_len,
+        num_blocks=reply.num_blocks, block_size=reply.block_size, dtype=reply.dtype,
+        device=reply.device, epoch=reply.epoch,
+    )
+
+
+def _split_logprobs(reply: runner_pb2.ExecuteResponse) -> list[TokenLogprobs]:
+    """Per sampled sequence, its logprobs (empty list when the runner sent none)."""
+    if not reply.logprobs:
+        return []
+    result: list[TokenLogprobs] = []
+    cursor = 0
+    counts = list(reply.top_counts) or [0] * len(reply.logprobs)
+    top_ids = list(reply.top_token_ids)
+    top_lps = list(reply.top_logprobs)
+    for logprob, count in zip(reply.logprobs, counts, strict=True):
+        result.append(TokenLogprobs(logprob, top_ids[cursor:cursor + count],
+                                    top_lps[cursor:cursor + count]))
+        cursor += count
+    return result

@@ -1,0 +1,210 @@
+"""`pagewire serve`: the three services as processes on localhost, supervised together.
+
+The block service and the runner listen on free internal ports; the gateway on --port
+(50051). The launcher waits until each answers health SERVING, then watches them: when one
+exits, or on Ctrl-C / SIGTERM, all are stopped together (gateway first, so streams end
+before their backends go).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("pagewire")
+
+_STOP_TIMEOUT_S = 15.0
+
+
+@dataclass
+class LaunchConfig:
+    """What `pagewire serve` starts."""
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0
+    block_size: int | None = None
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    runner_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    startup_timeout_s: float = 900.0  # a first start converts the default model
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@dataclass
+class Child:
+    """One supervised service process."""
+
+    name: str
+    command: list[str]
+    address: str
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log_file:
+            # A session of its own: Ctrl-C reaches the launcher only, which stops the
+            # children in order.
+            self.process = subprocess.Popen(
+                self.command, stdout=log_file, stderr=log_file, start_new_session=True
+            )
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0fs: killing it", self.name, _STOP_TIMEOUT_S)
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class Launcher:
+    """Starts, watches and stops the block service, the runner and the gateway."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="pagewire-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self._stop_requested = threading.Event()
+
+    @property
+    def gateway_address(self) -> str:
+        return f"{self.config.host}:{self.config.port}"
+
+    def start(self) -> None:
+        """Starts the three services in dependency order; raises if one fails to come up."""
+        host = self.config.host
+        block_address = f"{host}:{free_port(host)}"
+        runner_address = f"{host}:{free_port(host)}"
+        py = [sys.executable, "-m"]
+        self._start_child(Child(
+            "block_service", [*py, "block_service", "--host", host,
+                              "--port", block_address.rsplit(":", 1)[1]],
+            block_address, self.log_dir / "block_service.log"))
+        self._start_child(Child(
+            "gpu_runner", [*py, "gpu_runner", "--host", host,
+                           "--port", runner_address.rsplit(":", 1)[1], *self._runner_flags()],
+            runner_address, self.log_dir / "gpu_runner.log"))
+        self._start_child(Child(
+            "gateway", [*py, "gateway", "--host", host, "--port", str(self.config.port),
+                        "--block-service", block_address, "--runner", runner_address,
+                        *self._gateway_flags()],
+            self.gateway_address, self.log_dir / "gateway.log"))
+
+    def _runner_flags(self) -> list[str]:
+        c = self.config
+        flags = ["--model", c.model or "default"]
+        for name, value in (("--block-size", c.block_size),
+                            ("--kv-cache-memory", c.kv_cache_memory),
+                            ("--max-model-len", c.max_model_len)):
+            if value is not None:
+                flags += [name, str(value)]
+        return [*flags, *c.runner_args]
+
+    def _gateway_flags(self) -> list[str]:
+        c = self.config
+        flags = ["--model", c.model or "default", "--metrics-port", str(c.metrics_port)]
+        for name, value in (("--max-num-batched-tokens", c.max_num_batched_tokens),
+                            ("--max-num-seqs", c.max_num_seqs)):
+            if value is not None:
+                flags += [name, str(value)]
+        return flags
+
+    def _start_child(self, child: Child) -> None:
+        log.info("starting %s on %s (log: %s)", child.name, child.address, child.log_path)
+        child.start()
+        self.children.append(child)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not is_serving(child.address):
+            code = child.exited()
+            if code is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with {code} while starting:\n{child.log_tail()}"
+                )
+            if time.monotonic() > deadline or self._stop_requested.is_set():
+                raise RuntimeError(f"{child.name} did not start:\n{child.log_tail()}")
+            time.sleep(0.2)
+
+    def supervise(self) -> int:
+        """Waits until a child exits or a stop is requested; returns the exit code."""
+        while not self._stop_requested.wait(0.5):
+            for child in self.children:
+                code = child.exited()
+                if code is not None:
+                    log.error("%s exited with %s:\n%s", child.name, code, child.log_tail())
+                    return 1
+        return 0
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    def stop(self) -> None:
+        """Stops the gateway first, then the runner and the block service."""
+        for child in reversed(self.children):
+            child.stop()
+        log.info("stopped (logs in %s)", self.log_dir)
+
+    def install_signal_handlers(self) -> None:
+        def handle(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal %d: stopping all services", signum)
+            self.request_stop()
+
+        signal.signal(signal.SIGINT, handle)
+        signal.signal(signal.SIGTERM, handle)
+
+
+def serving_banner(address: str) -> str:
+    """Where pagewire listens and how to reach it."""
+    return "\n".join([
+        f"pagewire is serving on {address} (gRPC: pagewire.gateway.v1.GenerationService)",
+        "  try:  pagewire generate --address " + address + ' "Tell me a joke"',
+        "        pagewire chat --address " + address,
+        "        grpcurl -plaintext -d '{\"prompt\": \"Hello\", \"sampling_params\": "
+        "{\"max_tokens\": 32}}' " + address + " pagewire.gateway.v1.GenerationService/Generate",
+        "  Ctrl-C stops all three services.",
+    ])

@@ -1,0 +1,226 @@
+"""One Generate request: its sequences, the text each output streams, its usage.
+
+The engine thread feeds sampled tokens in (`add_token`), then calls `flush` once per step to
+put one GenerateResponse on the request's stream queue; the servicer's thread reads the
+queue. Everything else here is only touched by the engine thread.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from gateway.detokenizer import DecodeFn, IncrementalDetokenizer
+from gateway.sequence import SamplingConfig, SeqStatus
+from gateway.sequence import Sequence as Seq
+from gateway.stop import StopStringMatcher
+from protos import gateway_pb2
+
+STOP = gateway_pb2.FINISH_REASON_STOP
+LENGTH = gateway_pb2.FINISH_REASON_LENGTH
+ABORT = gateway_pb2.FINISH_REASON_ABORT
+
+# Seeds of the n outputs are spread by the 64-bit golden ratio so that neighbouring request
+# seeds do not give overlapping output seeds.
+_SEED_STRIDE = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
+
+
+def output_seed(request_seed: int, index: int) -> int:
+    """The seed of output `index` of a request seeded with `request_seed`."""
+    return (request_seed + index * _SEED_STRIDE) & _U64
+
+
+@dataclass
+class StreamError:
+    """Ends a stream with a gRPC status instead of a last message."""
+
+    code_name: str  # a grpc.StatusCode name, e.g. "UNAVAILABLE"
+    message: str
+
+
+@dataclass
+class TokenLogprobs:
+    """The runner's log-probabilities at one sampled position."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+class OutputState:
+    """What one output has streamed and holds back, and why it ended."""
+
+    def __init__(self, index: int, decode: DecodeFn, prompt_ids: Sequence[int],
+                 stop: Sequence[str]) -> None:
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(decode, prompt_ids)
+        self.stop_matcher = StopStringMatcher(stop)
+        self.finish_reason: gateway_pb2.FinishReason = gateway_pb2.FINISH_REASON_UNSPECIFIED
+        self.pending_text = ""
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list[gateway_pb2.PositionLogprobs] = []
+        self.reported_finish = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
+
+    def add_text(self, text: str) -> None:
+        self.pending_text += self.stop_matcher.add(text)
+
+    def finish(self, reason: gateway_pb2.FinishReason) -> None:
+        """Ends the output; complete text still held (no stop string matched) is released."""
+        if self.finished:
+            return
+        if reason != ABORT:
+            self.add_text(self.detokenizer.flush())
+            if not self.stop_matcher.stopped:
+                self.pending_text += self.stop_matcher.flush()
+        self.finish_reason = reason
+
+    def take_delta(self) -> gateway_pb2.CompletionOutput | None:
+        """The progress since the last call, or None when there is none."""
+        finishing = self.finished and not self.reported_finish
+        if not (self.pending_text or self.pending_ids or finishing):
+            return None
+        delta = gateway_pb2.CompletionOutput(
+            index=self.index,
+            text=self.pending_text,
+            token_ids=self.pending_ids,
+            logprobs=self.pending_logprobs,
+            finish_reason=(self.finish_reason if finishing
+                           else gateway_pb2.FINISH_REASON_UNSPECIFIED),
+        )
+        self.pending_text = ""
+        self.pending_ids = []
+        self.pending_logprobs = []
+        self.reported_finish = self.reported_finish or finishing
+        return delta
+
+
+class Request:
+    """A request's sequences and stream."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingConfig,
+                 max_len: int, eos_ids: frozenset[int], decode: DecodeFn,
+                 cache_salt: str = "", public_id: str = "") -> None:
+        self.request_id = request_id  # unique inside the gateway
+        self.public_id = public_id or request_id  # what the client sees
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.max_len = max_len  # longest prompt + output: max_model_len, or what the pool holds
+        self.eos_ids = eos_ids
+        self.cache_salt = cache_salt
+        self.sequences = self._make_sequences()
+        self.outputs = [
+            OutputState(i, decode, prompt_ids, params.stop) for i in range(params.n)
+        ]
+        self.cached_tokens = 0
+        self.stream: queue.Queue[gateway_pb2.GenerateResponse | StreamError | None] = (
+            queue.Queue()
+        )
+        self.closed = False
+
+    def _make_sequences(self) -> list[Seq]:
+        """n sequences; with n > 1 and a prompt of 2+ tokens, children fork from the first."""
+        n = self.params.n
+        seqs = [
+            Seq(self.request_id, i, list(self.prompt_ids), len(self.prompt_ids),
+                output_seed(self.params.seed, i))
+            for i in range(n)
+        ]
+        if n > 1 and len(self.prompt_ids) >= 2:
+            for child in seqs[1:]:
+                child.status = SeqStatus.FORK_PENDING
+            seqs[0].pending_children = seqs[1:]
+        return seqs
+
+    @property
+    def initial_sequences(self) -> list[Seq]:
+        """What the scheduler queues: the parent only when its children will fork from it."""
+        if self.sequences[0].pending_children:
+            return [self.sequences[0]]
+        return list(self.sequences)
+
+    @property
+    def finished(self) -> bool:
+        return all(output.finished for output in self.outputs)
+
+    def add_token(self, seq: Seq, token_id: int, logprobs: TokenLogprobs | None) -> bool:
+        """Appends a sampled token to `seq` and its output; True when the output ended."""
+        output = self.outputs[seq.index]
+        seq.token_ids.append(token_id)
+        output.pending_ids.append(token_id)
+        if logprobs is not None and self.params.logprobs is not None:
+            output.pending_logprobs.append(_position_logprobs(token_id, logprobs))
+        params = self.params
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_ids
+        ):
+            output.finish(STOP)  # the stop token stays out of the text
+            return True
+        output.add_text(output.detokenizer.add([token_id]))
+        if output.stop_matcher.stopped:
+            output.finish(STOP)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_len:
+            output.finish(LENGTH)
+        return output.finished
+
+    def abort_outputs(self) -> None:
+        for output in self.outputs:
+            output.finish(ABORT)
+
+    def usage(self) -> gateway_pb2.Usage:
+        return gateway_pb2.Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=sum(seq.num_output_tokens for seq in self.sequences),
+            cached_tokens=self.cached_tokens,
+        )
+
+    def flush(self) -> None:
+        """Puts one message with every output's progress on the stream (the last one with
+        usage, then the end marker)."""
+        if self.closed:
+            return
+        deltas = [d for d in (o.take_delta() for o in self.outputs) if d is not None]
+        done = self.finished
+        if not deltas and not done:
+            return
+        message = gateway_pb2.GenerateResponse(request_id=self.public_id, outputs=deltas)
+        if done:
+            message.usage.CopyFrom(self.usage())
+        self.stream.put(message)
+        if done:
+            self.close()
+
+    def fail(self, code_name: str, message: str) -> None:
+        """Ends the stream with an error status."""
+        if self.closed:
+            return
+        self.abort_outputs()
+        self.stream.put(StreamError(code_name, message))
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.stream.put(None)
+
+    def messages(self) -> Iterator[gateway_pb2.GenerateResponse | StreamError]:
+        """The stream, for the servicer's thread: messages until the end marker."""
+        while True:
+            item = self.stream.get()
+            if item is None:
+                return
+            yield item
+
+
+def _position_logprobs(token_id: int, logprobs: TokenLogprobs) -> gateway_pb2.PositionLogprobs:
+    return gateway_pb2.PositionLogprobs(
+        token=gateway_pb2.TokenLogprob(token_id=token_id, logprob=logprobs.logprob),
+        top=[
+            gateway_pb2.TokenLogprob(token_id=t, logprob=lp)
+            for t, lp in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
+        ],
+    )

@@ -1,0 +1,407 @@
+"""Continuous-batching policy: which sequences compute how many tokens in the next step.
+
+Pure Python, no gRPC: the engine turns a `StepPlan` into one block-service Step, hands the
+per-operation results back to `apply_results`, and executes the `Work` it returns.
+
+Policy (as vLLM's V1 scheduler):
+- running sequences first, in admission order: decode tokens, then the next chunk of prompts
+  being prefilled, all under the token budget (`max_num_batched_tokens`);
+- then FCFS admission of waiting sequences while the budget and `max_num_seqs` allow; a prompt
+  longer than the remaining budget is prefilled in chunks over several steps;
+- when the block service has no block for a decode, the most recently admitted running
+  sequence is preempted: its blocks are freed and it goes back to the FRONT of the queue with
+  its prompt and every token generated so far, to be recomputed (its output is unchanged).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gateway.sequence import SeqStatus, Sequence
+
+
+class OpOutcome(enum.Enum):
+    """The block service's answer to one operation, as the policy needs it."""
+
+    OK = "ok"
+    NO_SPACE = "no_space"
+    STALE = "stale"  # the pool lost its contents (runner restart): recompute everything
+    FAILED = "failed"  # any other per-operation error: the request cannot go on
+
+
+@dataclass
+class OpResult:
+    """One operation's result: its outcome and what changed in the sequence's table."""
+
+    outcome: OpOutcome
+    table_start: int = 0
+    table_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class FreeOp:
+    """A sequence allocation to free in the next Step."""
+
+    block_seq_id: int
+    num_computed: int
+
+
+@dataclass
+class Grant:
+    """A sequence allowed to compute up to `num_tokens` tokens this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """Every block-service operation of one step, grouped by kind (sent in this order)."""
+
+    frees: list[FreeOp] = field(default_factory=list)
+    commits: list[Sequence] = field(default_factory=list)
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child)
+    appends: list[Grant] = field(default_factory=list)  # decodes: new tokens get slots
+    prefills: list[Grant] = field(default_factory=list)  # next chunks of allocated prompts
+    allocates: list[Grant] = field(default_factory=list)  # admissions
+
+    @property
+    def num_ops(self) -> int:
+        return (len(self.frees) + len(self.commits) + len(self.forks) + len(self.appends)
+                + len(self.allocates))
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_ops == 0 and not self.prefills
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(g.num_tokens for g in (*self.appends, *self.prefills, *self.allocates))
+
+
+@dataclass
+class Work:
+    """What the runner computes for one sequence this step."""
+
+    seq: Sequence
+    start: int  # position of the first new token
+    num_tokens: int
+    slots: list[int]
+    do_sample: bool
+
+
+@dataclass
+class StepOutcome:
+    """What `apply_results` decided."""
+
+    work: list[Work] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # requests to abort
+    stale: bool = False  # the pool was reset: the engine must recompute every sequence
+    preempted: list[Sequence] = field(default_factory=list)
+    newly_cached: list[tuple[Sequence, int]] = field(default_factory=list)  # first admissions
+
+
+class Scheduler:
+    """Holds the waiting queue and the running set; plans steps and applies their results."""
+
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._pending_frees: list[FreeOp] = []
+        self._admit_counter = itertools.count(1)
+        self._block_seq_ids = itertools.count(1)
+        self._preempted_last_step = False
+        self.num_preemptions = 0
+
+    # ----- queue changes -------------------------------------------------------------------
+
+    def add(self, seqs: Iterable[Sequence]) -> None:
+        """Queues new sequences at the back (children to fork ride on their parent)."""
+        for seq in seqs:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Takes a sequence out (finished or aborted); its blocks are freed in the next Step."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._queue_free(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        for child in seq.pending_children:
+            child.status = SeqStatus.FINISHED
+        seq.pending_children = []
+        seq.status = SeqStatus.FINISHED
+
+    def abandon(self, plan: StepPlan) -> None:
+        """The plan's Step (or Execute) failed: admissions not applied go back to the front
+        and children planned for a fork are still to fork. The engine then resets."""
+        for grant in reversed(plan.allocates):
+            seq = grant.seq
+            if seq.status is SeqStatus.WAITING and seq not in self.waiting:
+                seq.block_seq_id = 0
+                self.waiting.appendleft(seq)
+        for _parent, child in plan.forks:
+            if child.status is SeqStatus.FORK_PENDING:
+                child.forget_allocation()
+        self._pending_frees = [*plan.frees, *self._pending_frees]
+
+    def reset_all(self) -> list[Sequence]:
+        """The pool lost every block: running sequences go back to the queue to recompute.
+
+        Their allocations are gone with the pool, so nothing is freed.
+        """
+        requeued = list(self.running)
+        for seq in reversed(requeued):
+            seq.forget_allocation()
+            for child in seq.pending_children:
+                child.forget_allocation()
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.running = []
+        self._pending_frees = []
+        return requeued
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Running sequences plus the children they will fork (both hold a seat)."""
+        return sum(1 + len(seq.pending_children) for seq in self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_frees)
+
+    # ----- planning ------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plans the next step: frees, commits, forks, decodes, prefill chunks, admissions."""
+        plan = StepPlan(frees=self._pending_frees)
+        self._pending_frees = []
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_decodes(plan, budget)
+        budget = self._schedule_prefills(plan, budget)
+        # Right after a preemption the pool is short: admitting now would only thrash.
+        if not self._preempted_last_step:
+            self._schedule_admissions(plan, budget)
+        self._preempted_last_step = False
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
+        for seq in self.running:
+            if seq.is_fork_ready:
+                group = [seq, *seq.pending_children]
+                if budget < len(group):
+                    continue
+                for child in seq.pending_children:
+                    # The child starts where its parent is: it appends the same last token.
+                    child.block_seq_id = next(self._block_seq_ids)
+                    child.num_registered = seq.num_registered
+                    child.num_computed = child.num_committed = seq.num_computed
+                    plan.forks.append((seq, child))
+                for member in group:
+                    plan.appends.append(Grant(member, 1))
+                budget -= len(group)
+            elif seq.is_decode_ready:
+                need = seq.num_tokens - seq.num_registered
+                if budget < need:
+                    continue
+                plan.appends.append(Grant(seq, need))
+                budget -= need
+        return budget
+
+    def _schedule_prefills(self, plan: StepPlan, budget: int) -> int:
+        for seq in self.running:
+            if not seq.is_prefilling:
+                continue
+            if seq.num_computed > seq.num_committed:
+                plan.commits.append(seq)
+            if budget == 0:
+                continue
+            chunk = min(seq.num_registered - seq.num_computed, budget)
+            plan.prefills.append(Grant(seq, chunk))
+            budget -= chunk
+        return budget
+
+    def _schedule_admissions(self, plan: StepPlan, budget: int) -> None:
+        seats = self.max_num_seqs - self.num_running_seqs
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            need_seats = 1 + len(seq.pending_children)
+            if need_seats > seats:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.block_seq_id = next(self._block_seq_ids)
+            # The prefix-cache hit is unknown until the block service answers, so the grant
+            # assumes none; apply_results starts it after the cached tokens.
+            grant = min(seq.alloc_len, budget)
+            plan.allocates.append(Grant(seq, grant))
+            budget -= grant
+            seats -= need_seats
+
+    # ----- results -------------------------------------------------------------------------
+
+    def apply_results(self, plan: StepPlan, results: list[OpResult]) -> StepOutcome:
+        """Applies the block service's per-operation results in plan order.
+
+        `results` has one entry per operation, in the order the plan's operations are sent:
+        frees, commits, forks, appends, allocates.
+        """
+        outcome = StepOutcome()
+        if any(r.outcome is OpOutcome.STALE for r in results):
+            outcome.stale = True
+            return outcome
+        cursor = len(plan.frees)
+        for seq in plan.commits:
+            self._apply_commit(seq, results[cursor], outcome)
+            cursor += 1
+        forked_parents: dict[Sequence, list[Sequence]] = {}
+        for parent, child in plan.forks:
+            if self._apply_fork(parent, child, results[cursor], outcome):
+                forked_parents.setdefault(parent, []).append(child)
+            cursor += 1
+        for parent, children in forked_parents.items():
+            parent.pending_children = [c for c in parent.pending_children if c not in children]
+        no_space: list[Sequence] = []
+        appended: dict[Sequence, list[int]] = {}
+        for grant in plan.appends:
+            result = results[cursor]
+            cursor += 1
+            if grant.seq.status is not SeqStatus.RUNNING:
+                continue  # its fork failed
+            if result.outcome is OpOutcome.OK:
+                self._apply_append(grant, result)
+                appended[grant.seq] = result.slots
+            elif result.outcome is OpOutcome.NO_SPACE:
+                no_space.append(grant.seq)
+            else:
+                outcome.failed.append((grant.seq, result.error))
+        admitted: list[Grant] = []
+        unadmitted: list[Sequence] = []
+        for grant in plan.allocates:
+            result = results[cursor]
+            cursor += 1
+            self._apply_allocate(grant, result, admitted, unadmitted, outcome)
+        # Back to the front in their queue order; preempted sequences go before them.
+        for seq in reversed(unadmitted):
+            self.waiting.appendleft(seq)
+        victims = self._preempt_for(no_space, outcome)
+        self._collect_work(plan, appended, admitted, victims, no_space, outcome)
+        return outcome
+
+    def _apply_commit(self, seq: Sequence, result: OpResult, outcome: StepOutcome) -> None:
+        if result.outcome is OpOutcome.OK:
+            seq.num_committed = seq.num_computed
+        else:
+            outcome.failed.append((seq, result.error))
+
+    def _apply_fork(self, parent: Sequence, child: Sequence, result: OpResult,
+                    outcome: StepOutcome) -> bool:
+        if result.outcome is not OpOutcome.OK or parent.status is not SeqStatus.RUNNING:
+            outcome.failed.append((child, result.error or "fork failed"))
+            return False
+        child.block_table = list(result.table_ids)
+        child.admit_order = next(self._admit_counter)
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+        return True
+
+    @staticmethod
+    def _apply_append(grant: Grant, result: OpResult) -> None:
+        seq = grant.seq
+        seq.block_table[result.table_start:] = result.table_ids
+        seq.num_committed = seq.num_computed
+        seq.num_registered = seq.num_tokens
+
+    def _apply_allocate(self, grant: Grant, result: OpResult, admitted: list[Grant],
+                        unadmitted: list[Sequence], outcome: StepOutcome) -> None:
+        seq = grant.seq
+        if result.outcome is OpOutcome.NO_SPACE:
+            seq.block_seq_id = 0
+            seq.status = SeqStatus.WAITING
+            unadmitted.append(seq)
+            return
+        if result.outcome is not OpOutcome.OK:
+            seq.block_seq_id = 0
+            seq.status = SeqStatus.FINISHED
+            outcome.failed.append((seq, result.error))
+            return
+        seq.block_table = list(result.table_ids)
+        seq.num_registered = seq.alloc_len
+        seq.num_computed = result.num_cached_tokens
+        seq.num_committed = result.num_cached_tokens
+        seq.prefill_slot_start = result.num_cached_tokens
+        seq.prefill_slots = list(result.slots)
+        seq.admit_order = next(self._admit_counter)
+        seq.status = SeqStatus.RUNNING
+        if seq.num_cached_at_admission is None:
+            seq.num_cached_at_admission = result.num_cached_tokens
+            outcome.newly_cached.append((seq, result.num_cached_tokens))
+        self.running.append(seq)
+        admitted.append(grant)
+
+    def _preempt_for(self, no_space: list[Sequence], outcome: StepOutcome) -> set[Sequence]:
+        """Preempts one running sequence per decode that found no block: newest first."""
+        victims: set[Sequence] = set()
+        for _ in no_space:
+            candidates = [s for s in self.running if s not in victims]
+            if not candidates:
+                break
+            victims.add(max(candidates, key=lambda s: s.admit_order))
+        # Re-queue oldest-admitted first at the very front so FCFS order is kept.
+        for victim in sorted(victims, key=lambda s: s.admit_order, reverse=True):
+            self.running.remove(victim)
+            self._queue_free(victim)
+            victim.forget_allocation()
+            victim.status = SeqStatus.WAITING
+            victim.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            outcome.preempted.append(victim)
+        if victims:
+            self.num_preemptions += len(victims)
+            self._preempted_last_step = True
+        return victims
+
+    def _collect_work(self, plan: StepPlan, appended: dict[Sequence, list[int]],
+                      admitted: list[Grant], victims: set[Sequence], no_space: list[Sequence],
+                      outcome: StepOutcome) -> None:
+        failed = {seq for seq, _ in outcome.failed}
+        skip = victims | failed | set(no_space)
+        for grant in plan.appends:
+            seq = grant.seq
+            if seq in skip or seq not in appended:
+                continue
+            start = seq.num_computed
+            outcome.work.append(Work(seq, start, seq.num_tokens - start, appended[seq], True))
+        for grant in [*plan.prefills, *admitted]:
+            seq = grant.seq
+            if seq in skip or seq.status is not SeqStatus.RUNNING:
+                continue
+            outcome.work.append(self._prefill_work(seq, grant.num_tokens))
+
+    @staticmethod
+    def _prefill_work(seq: Sequence, granted: int) -> Work:
+        start = seq.num_computed
+        count = min(granted, seq.num_registered - start)
+        offset = start - seq.prefill_slot_start
+        slots = seq.prefill_slots[offset:offset + count]
+        # Sample only when this chunk reaches the last known token (a fork parent stops short).
+        do_sample = start + count == seq.num_tokens
+        return Work(seq, start, count, slots, do_sample)
+
+    def on_executed(self, work: list[Work]) -> None:
+        """The runner wrote the KV of every token in `work`."""
+        for item in work:
+            item.seq.num_computed = item.start + item.num_tokens
+
+    def _queue_free(self, seq: Sequence) -> None:
+        if seq.block_seq_id:
+            self._pending_frees.append(FreeOp(seq.block_seq_id, seq.num_computed))

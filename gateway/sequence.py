@@ -1,0 +1,111 @@
+"""The scheduling state of one output sequence.
+
+A request with `n` outputs has `n` sequences. A sequence's tokens are its prompt followed by
+what it has generated; the scheduler tracks how many of them the block service knows
+(`num_registered`) and how many have their KV written by the runner (`num_computed`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SeqStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"  # queued for admission (new, or preempted for recompute)
+    FORK_PENDING = "fork_pending"  # a child that will be forked from its parent's prompt
+    RUNNING = "running"  # holds blocks in the block service
+    FINISHED = "finished"  # done or aborted; its blocks are (being) freed
+
+
+@dataclass
+class SamplingConfig:
+    """Validated sampling parameters of one request (defaults filled in)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output of a request, as the scheduler sees it.
+
+    `eq=False` keeps identity semantics: sequences are used as dict keys and list members.
+    """
+
+    request_id: str
+    index: int  # which output of its request (0 .. n-1)
+    token_ids: list[int]  # prompt followed by generated tokens
+    prompt_len: int
+    seed: int
+    status: SeqStatus = SeqStatus.WAITING
+    # Children to fork once this sequence's prompt (but its last token) is computed.
+    pending_children: list[Sequence] = field(default_factory=list)
+    admit_order: int = -1  # increases with each admission; preemption picks the largest
+    block_seq_id: int = 0  # the id of the current allocation in the block service; 0: none
+    num_registered: int = 0  # leading tokens the block service holds blocks for
+    num_computed: int = 0  # leading tokens whose KV the runner has written
+    num_committed: int = 0  # num_computed as last told to the block service
+    block_table: list[int] = field(default_factory=list)
+    # Slots of the positions slot_start .. num_registered - 1, from the allocation.
+    prefill_slots: list[int] = field(default_factory=list)
+    prefill_slot_start: int = 0
+    num_cached_at_admission: int | None = None  # prefix-cache hit of the first allocation
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def alloc_len(self) -> int:
+        """How many tokens an admission allocates.
+
+        A parent with children to fork stops one short: its last prompt token is computed by
+        each output separately, with that output's own seed, after the fork.
+        """
+        if self.pending_children:
+            return self.num_tokens - 1
+        return self.num_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_registered
+
+    @property
+    def is_decode_ready(self) -> bool:
+        """All registered tokens are computed and at least one more token awaits its slot."""
+        return self.num_computed == self.num_registered < self.num_tokens
+
+    @property
+    def is_fork_ready(self) -> bool:
+        return bool(self.pending_children) and self.is_decode_ready
+
+    def forget_allocation(self) -> None:
+        """Back to the state of a sequence that holds no blocks (kept tokens: recompute)."""
+        self.block_seq_id = 0
+        self.num_registered = 0
+        self.num_computed = 0
+        self.num_committed = 0
+        self.block_table = []
+        self.prefill_slots = []
+        self.prefill_slot_start = 0

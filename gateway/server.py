@@ -1,0 +1,98 @@
+"""Starts the gateway service: tokenizer, engine, gRPC server; stops it on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from common.log import setup_logging
+from common.security import ClientTls, open_channel
+from common.server import (
+    GrpcService,
+    ServerOptions,
+    add_server_arguments,
+    run_until_signal,
+    server_options_from_args,
+    start_server,
+)
+from gateway.config import (
+    DEFAULT_GATEWAY_PORT,
+    GatewayConfig,
+    add_gateway_arguments,
+    config_from_args,
+)
+from gateway.engine import Engine
+from gateway.servicer import GenerationServicer
+from gateway.tokenizer import Tokenizer, load_tokenizer
+from protos import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+class Gateway:
+    """A running gateway: its channels, engine and server."""
+
+    def __init__(self, config: GatewayConfig, options: ServerOptions,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or load_tokenizer(config.model)
+        self._block_channel = _backend_channel(config, config.block_service)
+        self._runner_channel = _backend_channel(config, config.runner)
+        self.engine = Engine(config, self._block_channel, self._runner_channel)
+        self.service: GrpcService | None = None
+        self._options = options
+
+    def start(self, timeout_s: float = 300.0) -> GrpcService:
+        info = self.engine.start(timeout_s)
+        servicer = GenerationServicer(self.engine, self.tokenizer, info)
+        self.service = start_server(
+            self._options,
+            lambda server: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(
+                servicer, server
+            ),
+            [SERVICE_NAME],
+        )
+        return self.service
+
+    def stop(self) -> None:
+        """Ends unfinished streams (abort), drains the server, closes the session."""
+        self.engine.stop()
+        if self.service is not None:
+            self.service.stop()
+        self._block_channel.close()
+        self._runner_channel.close()
+
+
+def _backend_channel(config: GatewayConfig, address: str) -> grpc.Channel:
+    tls = None
+    if config.backend_tls_ca:
+        tls = ClientTls(config.backend_tls_ca, config.backend_tls_cert or None,
+                        config.backend_tls_key or None)
+    return open_channel(address, tls, config.backend_token or None, _CHANNEL_OPTIONS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    add_server_arguments(parser, "gateway", DEFAULT_GATEWAY_PORT)
+    add_gateway_arguments(parser)
+    parser.add_argument("--log-level", default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("gateway", args.log_level)
+    gateway = Gateway(config_from_args(args), server_options_from_args(args))
+    service = gateway.start()
+    log.info("gateway serving on %s:%d (block service %s, runner %s)", args.host, service.port,
+             gateway.config.block_service, gateway.config.runner)
+    return run_until_signal(service, on_stop=gateway.stop)

@@ -1,0 +1,127 @@
+"""GenerationService: protobuf in, validated requests to the engine, streamed deltas out."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from gateway.engine import AdmissionError, BackendInfo, Engine
+from gateway.request import Request, StreamError
+from gateway.tokenizer import CHAT_ROLES, ChatMessage, Tokenizer
+from gateway.validation import InvalidRequest, Limits, check_prompt_ids, sampling_config
+from protos import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
+    """The public API; every check happens before a request reaches the engine."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, info: BackendInfo) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._info = info
+        self._limits = Limits(
+            vocab_size=info.vocab_size,
+            max_len=info.max_len,
+            max_n=min(engine.config.max_n, engine.config.max_num_seqs,
+                      engine.config.max_num_batched_tokens),
+        )
+
+    def Generate(self, request: gateway_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[gateway_pb2.GenerateResponse]:
+        try:
+            engine_request = self._build_request(request)
+        except InvalidRequest as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
+            self._engine.submit(engine_request)
+        except AdmissionError as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        key = engine_request.request_id
+        context.add_callback(lambda: self._engine.abort(key))
+        finished = False
+        try:
+            for message in engine_request.messages():
+                if isinstance(message, StreamError):
+                    context.abort(getattr(grpc.StatusCode, message.code_name), message.message)
+                else:
+                    yield message
+            finished = True
+        finally:
+            if not finished:  # the client went away mid-stream
+                self._engine.abort(key)
+
+    def Tokenize(self, request: gateway_pb2.TokenizeRequest,
+                 context: grpc.ServicerContext) -> gateway_pb2.TokenizeResponse:
+        try:
+            token_ids = self._prompt_ids(request)
+        except InvalidRequest as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return gateway_pb2.TokenizeResponse(
+            token_ids=token_ids, tokens=self._tokenizer.token_pieces(token_ids)
+        )
+
+    def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest,
+                     context: grpc.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
+        info = self._engine.info or self._info
+        return gateway_pb2.GetModelInfoResponse(
+            model=info.model, architecture=info.architecture, vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
+            num_blocks=info.num_blocks, block_size=info.block_size, dtype=info.dtype,
+            device=info.device,
+        )
+
+    # ----- building a request --------------------------------------------------------------
+
+    def _build_request(self, request: gateway_pb2.GenerateRequest) -> Request:
+        if request.WhichOneof("input") == "prompt_token_ids":
+            prompt_ids = list(request.prompt_token_ids.token_ids)
+        else:
+            prompt_ids = self._prompt_ids(request)
+        check_prompt_ids(prompt_ids, self._limits)
+        params = sampling_config(request.sampling_params, len(prompt_ids), self._limits,
+                                 self._engine.new_seed())
+        key = uuid.uuid4().hex
+        return Request(
+            request_id=key,
+            public_id=request.request_id or key,
+            prompt_ids=prompt_ids,
+            params=params,
+            max_len=self._limits.max_len,
+            eos_ids=frozenset(self._info.eos_token_ids),
+            decode=self._tokenizer.decode,
+            cache_salt=request.cache_salt,
+        )
+
+    def _prompt_ids(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest
+                    ) -> list[int]:
+        """Token ids of a text or chat prompt."""
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            if not request.prompt:
+                raise InvalidRequest("the prompt is empty")
+            return self._tokenizer.encode(request.prompt)
+        if which == "messages":
+            messages = _chat_messages(request.messages)
+            try:
+                return self._tokenizer.encode_chat(messages)
+            except ValueError as error:
+                raise InvalidRequest(str(error)) from error
+        raise InvalidRequest("no prompt: set one of prompt, messages or prompt_token_ids")
+
+
+def _chat_messages(messages: gateway_pb2.ChatMessages) -> list[ChatMessage]:
+    if not messages.messages:
+        raise InvalidRequest("messages is empty")
+    result = []
+    for i, message in enumerate(messages.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role is {message.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
+        result.append(ChatMessage(message.role, message.content))
+    return result

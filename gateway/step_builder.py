@@ -1,0 +1,169 @@
+"""Translation between a scheduling step and the two RPCs that carry it.
+
+`build_step_request` packs a StepPlan into one block-service StepRequest (column by column),
+`parse_step_response` unpacks its answer into one OpResult per operation, and
+`build_execute_request` packs the step's Work into one runner ExecuteRequest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.scheduler import OpOutcome, OpResult, StepPlan, Work
+from gateway.sequence import Sequence
+from protos import block_pb2, runner_pb2
+
+_OUTCOMES = {
+    block_pb2.OP_STATUS_OK: OpOutcome.OK,
+    block_pb2.OP_STATUS_NO_SPACE: OpOutcome.NO_SPACE,
+    block_pb2.OP_STATUS_STALE: OpOutcome.STALE,
+}
+
+
+@dataclass
+class _Columns:
+    """The StepRequest's per-operation columns, filled in operation order."""
+
+    kinds: list[block_pb2.OpKind]
+    seq_ids: list[int]
+    token_counts: list[int]
+    token_ids: list[int]
+    parent_ids: list[int]
+    computed: list[int]
+
+    def add(self, kind: block_pb2.OpKind, seq_id: int, tokens: list[int], parent_id: int = 0,
+            computed: int = -1) -> None:
+        self.kinds.append(kind)
+        self.seq_ids.append(seq_id)
+        self.token_counts.append(len(tokens))
+        self.token_ids.extend(tokens)
+        self.parent_ids.append(parent_id)
+        self.computed.append(computed)
+
+
+def build_step_request(plan: StepPlan, session_id: str, pool_id: str, step_id: int,
+                       epoch: int, cache_salts: dict[str, str]) -> block_pb2.StepRequest:
+    """One StepRequest with the plan's operations: frees, commits, forks, appends, allocates.
+
+    `cache_salts` maps request ids to their tenant salt (absent: no salt).
+    """
+    cols = _Columns([], [], [], [], [], [])
+    for free in plan.frees:
+        cols.add(block_pb2.OP_KIND_FREE, free.block_seq_id, [], computed=free.num_computed)
+    for seq in plan.commits:
+        cols.add(block_pb2.OP_KIND_COMMIT, seq.block_seq_id, [], computed=seq.num_computed)
+    for parent, child in plan.forks:
+        cols.add(block_pb2.OP_KIND_FORK, child.block_seq_id, [], parent_id=parent.block_seq_id)
+    for grant in plan.appends:
+        seq = grant.seq
+        cols.add(block_pb2.OP_KIND_APPEND, seq.block_seq_id, seq.token_ids[seq.num_registered:],
+                 computed=seq.num_registered)
+    salts: dict[int, str] = {}
+    for grant in plan.allocates:
+        seq = grant.seq
+        salt = cache_salts.get(seq.request_id, "")
+        if salt:
+            salts[len(cols.kinds)] = salt
+        cols.add(block_pb2.OP_KIND_ALLOCATE, seq.block_seq_id, seq.token_ids[:seq.alloc_len])
+    return block_pb2.StepRequest(
+        session_id=session_id,
+        pool_id=pool_id,
+        step_id=step_id,
+        epoch=epoch,
+        op_kinds=cols.kinds,
+        seq_ids=cols.seq_ids,
+        token_counts=cols.token_counts,
+        token_ids=cols.token_ids,
+        parent_seq_ids=cols.parent_ids,
+        num_computed_tokens=cols.computed,
+        cache_salts=salts,
+    )
+
+
+def parse_step_response(response: block_pb2.StepResponse, num_ops: int) -> list[OpResult]:
+    """One OpResult per operation, with its table change and slots sliced out."""
+    if len(response.op_statuses) != num_ops:
+        raise ValueError(
+            f"block service answered {len(response.op_statuses)} results for {num_ops} ops"
+        )
+    table_ids = list(response.table_block_ids)
+    slots = list(response.slot_mapping)
+    results: list[OpResult] = []
+    table_cursor = 0
+    slot_cursor = 0
+    for i in range(num_ops):
+        table_count = response.table_counts[i]
+        slot_count = response.slot_counts[i]
+        status = response.op_statuses[i]
+        results.append(OpResult(
+            outcome=_OUTCOMES.get(status, OpOutcome.FAILED),
+            table_start=response.table_starts[i],
+            table_ids=table_ids[table_cursor:table_cursor + table_count],
+            slots=slots[slot_cursor:slot_cursor + slot_count],
+            num_cached_tokens=response.num_cached_tokens[i],
+            error=response.errors.get(i, "" if status == block_pb2.OP_STATUS_OK
+                                      else block_pb2.OpStatus.Name(status)),
+        ))
+        table_cursor += table_count
+        slot_cursor += slot_count
+    return results
+
+
+def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], epoch: int,
+                          client_id: str, step_id: int,
+                          params_of: dict[str, SamplingRow]) -> runner_pb2.ExecuteRequest:
+    """One ExecuteRequest for the step's work (`params_of` maps request id to its row)."""
+    request = runner_pb2.ExecuteRequest(epoch=epoch, client_id=client_id, step_id=step_id)
+    request.copy_src_block_ids.extend(c.src_block_id for c in copies)
+    request.copy_dst_block_ids.extend(c.dst_block_id for c in copies)
+    num_new: list[int] = []
+    starts: list[int] = []
+    token_ids: list[int] = []
+    slots: list[int] = []
+    table_lens: list[int] = []
+    tables: list[int] = []
+    for item in work:
+        seq = item.seq
+        num_new.append(item.num_tokens)
+        starts.append(item.start)
+        token_ids.extend(seq.token_ids[item.start:item.start + item.num_tokens])
+        slots.extend(item.slots)
+        table_lens.append(len(seq.block_table))
+        tables.extend(seq.block_table)
+    request.num_new_tokens.extend(num_new)
+    request.start_positions.extend(starts)
+    request.token_ids.extend(token_ids)
+    request.slot_mapping.extend(slots)
+    request.block_table_lens.extend(table_lens)
+    request.block_tables.extend(tables)
+    request.do_sample.extend(item.do_sample for item in work)
+    _add_sampling_columns(request, work, params_of)
+    return request
+
+
+@dataclass
+class SamplingRow:
+    """A request's sampling parameters as the runner takes them (seed is per sequence)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    num_logprobs: int | None
+
+
+def _add_sampling_columns(request: runner_pb2.ExecuteRequest, work: list[Work],
+                          params_of: dict[str, SamplingRow]) -> None:
+    rows = [params_of[item.seq.request_id] for item in work]
+    request.temperatures.extend(row.temperature for row in rows)
+    request.top_ps.extend(row.top_p for row in rows)
+    request.top_ks.extend(row.top_k for row in rows)
+    request.min_ps.extend(row.min_p for row in rows)
+    request.seeds.extend(item.seq.seed for item in work)
+    if any(row.num_logprobs is not None for row in rows):
+        request.num_logprobs.extend(row.num_logprobs or 0 for row in rows)
+
+
+def sampled_sequences(work: list[Work]) -> list[Sequence]:
+    """The sequences the runner answers for, in its answer's order."""
+    return [item.seq for item in work if item.do_sample]

@@ -1,0 +1,71 @@
+"""The model's tokenizer: text and chat messages to token ids, ids back to text."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+log = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat message (role is one of CHAT_ROLES)."""
+
+    role: str
+    content: str
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer with the model's chat template."""
+
+    def __init__(self, folder: Path) -> None:
+        self._tok: Any = AutoTokenizer.from_pretrained(str(folder))
+        self.folder = folder
+        # len() counts added tokens, which vocab_size may leave out.
+        self.size = len(self._tok)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text as the tokenizer's own rules tokenize it (special tokens included)."""
+        return list(self._tok.encode(text))
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        """The conversation rendered with the chat template, generation prompt added."""
+        if self._tok.chat_template is None:
+            raise ValueError("the model has no chat template: send a plain prompt instead")
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        text = self._tok.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+        return str(text)
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Chat messages as token ids (the template already holds the special tokens)."""
+        return list(self._tok.encode(self.render_chat(messages), add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's piece as the tokenizer names it (e.g. 'Ġhello')."""
+        return [str(piece) for piece in self._tok.convert_ids_to_tokens(list(token_ids))]
+
+
+def load_tokenizer(spec: str | None) -> Tokenizer:
+    """The tokenizer of the model named by `spec` (see common.model_store.resolve_model)."""
+    from common.model_store import resolve_model
+
+    folder = resolve_model(spec)
+    log.info("tokenizer from %s", folder)
+    return Tokenizer(folder)

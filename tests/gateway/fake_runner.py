@@ -1,0 +1,137 @@
+"""A stand-in runner for gateway tests: a "model" whose KV cache holds token ids.
+
+It checks every batch the way a real runner relies on it (slots where the block table says,
+tables covering every position, copies before writes) and "predicts" the next token from the
+context it READS BACK FROM ITS CACHE through the block table. So a gateway that sends a wrong
+slot, table or copy gets different tokens than `next_token(true context)`, which the tests
+compute independently as their oracle.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from protos import runner_pb2, runner_pb2_grpc
+
+VOCAB = 49152
+EOS = 2
+_EMPTY = -1
+
+
+def next_token(context: Sequence[int], seed: int | None, vocab: int = VOCAB) -> int:
+    """The fake model: a hash of the whole context (and the seed when sampling).
+
+    Tokens 0..15 (EOS among them) are never produced, so generation runs to max_tokens.
+    """
+    value = len(context) * 1_000_003
+    for position, token in enumerate(context):
+        value = (value * 31 + token * (position + 7)) % (1 << 61)
+    if seed is not None:
+        value = (value ^ (seed * 0x9E3779B97F4A7C15 + len(context))) % (1 << 61)
+    return 16 + value % (vocab - 16)
+
+
+class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
+    """Executes batches against a cache of token ids; records what it saw."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 2048,
+                 epoch: int = 7) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.epoch = epoch
+        self.cache = np.full(num_blocks * block_size, _EMPTY, dtype=np.int64)
+        self.batches: list[runner_pb2.ExecuteRequest] = []
+        self.lock = threading.Lock()
+        self.proceed = threading.Event()  # cleared: Execute waits (a busy runner)
+        self.proceed.set()
+
+    def Info(self, request: runner_pb2.InfoRequest, context: grpc.ServicerContext
+             ) -> runner_pb2.InfoResponse:
+        return runner_pb2.InfoResponse(
+            model="fake", architecture="FakeForCausalLM", vocab_size=VOCAB,
+            eos_token_ids=[EOS], max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+            block_size=self.block_size, dtype="float32", device="cpu", epoch=self.epoch,
+            attention_backend="torch", tensor_parallel_size=1,
+        )
+
+    def Execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
+                ) -> runner_pb2.ExecuteResponse:
+        self.proceed.wait(30)
+        with self.lock:
+            if request.epoch != self.epoch:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch")
+            self.batches.append(request)
+            error = self._check(request)
+            if error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            return self._run(request)
+
+    def _check(self, request: runner_pb2.ExecuteRequest) -> str:
+        n = len(request.num_new_tokens)
+        columns = [request.start_positions, request.block_table_lens, request.do_sample,
+                   request.temperatures, request.top_ps, request.top_ks, request.min_ps,
+                   request.seeds]
+        if any(len(c) != n for c in columns):
+            return "column lengths differ"
+        if not sum(request.num_new_tokens) == len(request.token_ids) == len(request.slot_mapping):
+            return "token and slot counts differ"
+        if sum(request.block_table_lens) != len(request.block_tables):
+            return "block table lengths differ"
+        token_cursor = table_cursor = 0
+        for i in range(n):
+            count, start = request.num_new_tokens[i], request.start_positions[i]
+            table = request.block_tables[table_cursor:table_cursor + request.block_table_lens[i]]
+            if len(table) * self.block_size < start + count:
+                return f"sequence {i}: table too short"
+            for j in range(count):
+                position = start + j
+                expected = table[position // self.block_size] * self.block_size + (
+                    position % self.block_size)
+                if request.slot_mapping[token_cursor + j] != expected:
+                    return f"sequence {i}: slot of position {position} is not its table's"
+            token_cursor += count
+            table_cursor += request.block_table_lens[i]
+        return ""
+
+    def _run(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+        for src, dst in zip(request.copy_src_block_ids, request.copy_dst_block_ids,
+                            strict=True):
+            bs = self.block_size
+            self.cache[dst * bs:(dst + 1) * bs] = self.cache[src * bs:(src + 1) * bs]
+        self.cache[list(request.slot_mapping)] = list(request.token_ids)
+        reply = runner_pb2.ExecuteResponse(epoch=self.epoch)
+        table_cursor = 0
+        for i, count in enumerate(request.num_new_tokens):
+            table = request.block_tables[table_cursor:table_cursor + request.block_table_lens[i]]
+            table_cursor += request.block_table_lens[i]
+            if not request.do_sample[i]:
+                continue
+            length = request.start_positions[i] + count
+            positions = np.arange(length)
+            slots = np.asarray(table)[positions // self.block_size] * self.block_size + (
+                positions % self.block_size)
+            context = [int(t) for t in self.cache[slots]]
+            seed = None if request.temperatures[i] == 0 else int(request.seeds[i])
+            token = next_token(context, seed)
+            reply.token_ids.append(token)
+            if request.num_logprobs:
+                reply.logprobs.append(-0.5)
+                k = request.num_logprobs[i]
+                reply.top_counts.append(k)
+                reply.top_token_ids.extend(token + j for j in range(k))
+                reply.top_logprobs.extend(-0.5 - j for j in range(k))
+        return reply
+
+
+def expected_tokens(prompt: Sequence[int], max_tokens: int, seed: int | None = None
+                    ) -> list[int]:
+    """The oracle: what the fake model generates for `prompt` alone."""
+    context = list(prompt)
+    for _ in range(max_tokens):
+        context.append(next_token(context, seed))
+    return context[len(prompt):]

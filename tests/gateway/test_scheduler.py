@@ -1,0 +1,213 @@
+"""The scheduling policy, driven directly with hand-made block-service results."""
+
+from __future__ import annotations
+
+from gateway.scheduler import OpOutcome, OpResult, Scheduler, StepPlan
+from gateway.sequence import SeqStatus, Sequence
+
+BLOCK = 4
+
+
+def make_seq(request_id: str, prompt_len: int, index: int = 0) -> Sequence:
+    prompt = list(range(100, 100 + prompt_len))
+    return Sequence(request_id, index, prompt, prompt_len, seed=1)
+
+
+def ok_results(plan: StepPlan, cached: int = 0) -> list[OpResult]:
+    """What a block service with unlimited space answers (tables of made-up block ids)."""
+    results = [OpResult(OpOutcome.OK) for _ in plan.frees]
+    results += [OpResult(OpOutcome.OK) for _ in plan.commits]
+    for parent, _child in plan.forks:
+        results.append(OpResult(OpOutcome.OK, 0, list(parent.block_table)))
+    for grant in plan.appends:
+        seq = grant.seq
+        new = seq.token_ids[seq.num_registered:]
+        first = seq.num_registered
+        slots = [1000 + p for p in range(first, first + len(new))]
+        results.append(OpResult(OpOutcome.OK, len(seq.block_table), [], slots))
+    for grant in plan.allocates:
+        seq = grant.seq
+        blocks = list(range((seq.alloc_len + BLOCK - 1) // BLOCK))
+        slots = list(range(cached, seq.alloc_len))
+        results.append(OpResult(OpOutcome.OK, 0, blocks, slots, num_cached_tokens=cached))
+    return results
+
+
+def run_step(scheduler: Scheduler, plan: StepPlan, results: list[OpResult] | None = None):
+    outcome = scheduler.apply_results(plan, results if results is not None else ok_results(plan))
+    scheduler.on_executed(outcome.work)
+    for item in outcome.work:
+        if item.do_sample:
+            item.seq.token_ids.append(7)
+    return outcome
+
+
+def test_fcfs_admission_under_token_budget_chunks_the_prompt_that_does_not_fit() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=10, max_num_seqs=8)
+    a, b, c = make_seq("a", 6), make_seq("b", 7), make_seq("c", 3)
+    scheduler.add([a, b, c])
+    plan = scheduler.schedule()
+    # a takes 6, b gets the remaining 4 as its first chunk, c waits (budget spent).
+    assert [(g.seq, g.num_tokens) for g in plan.allocates] == [(a, 6), (b, 4)]
+    assert list(scheduler.waiting) == [c]
+    outcome = run_step(scheduler, plan)
+    assert [(w.seq, w.start, w.num_tokens, w.do_sample) for w in outcome.work] == [
+        (a, 0, 6, True), (b, 0, 4, False)]
+    # Next: a decodes (1), b commits its first chunk and prefills its last 3, c is admitted.
+    plan = scheduler.schedule()
+    assert [(g.seq, g.num_tokens) for g in plan.appends] == [(a, 1)]
+    assert plan.commits == [b]
+    assert [(g.seq, g.num_tokens) for g in plan.prefills] == [(b, 3)]
+    assert [(g.seq, g.num_tokens) for g in plan.allocates] == [(c, 3)]
+    assert plan.num_scheduled_tokens == 7
+    outcome = run_step(scheduler, plan)
+    assert [(w.seq, w.start, w.num_tokens, w.do_sample) for w in outcome.work] == [
+        (a, 6, 1, True), (b, 4, 3, True), (c, 0, 3, True)]
+
+
+def test_decodes_come_before_prefill_and_admission() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=3, max_num_seqs=8)
+    a, b = make_seq("a", 2), make_seq("b", 2)
+    scheduler.add([a, b])
+    run_step(scheduler, scheduler.schedule())  # both admitted: 2 + 1 tokens
+    assert b.is_prefilling and a.is_decode_ready
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.appends] == [a]
+    assert [(g.seq, g.num_tokens) for g in plan.prefills] == [(b, 1)]
+
+
+def test_max_num_seqs_limits_admission_and_keeps_fcfs_order() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=2)
+    seqs = [make_seq(str(i), 3) for i in range(4)]
+    scheduler.add(seqs)
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == seqs[:2]
+    run_step(scheduler, plan)
+    scheduler.finish(seqs[0])
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == [seqs[2]]
+    assert [f.block_seq_id for f in plan.frees] == [seqs[0].block_seq_id]
+
+
+def test_cached_prefix_is_skipped() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a = make_seq("a", 10)
+    scheduler.add([a])
+    plan = scheduler.schedule()
+    outcome = run_step(scheduler, plan, ok_results(plan, cached=8))
+    assert [(w.start, w.num_tokens, w.slots) for w in outcome.work] == [(8, 2, [8, 9])]
+    assert outcome.newly_cached == [(a, 8)]
+
+
+def test_no_space_for_a_decode_preempts_the_most_recently_admitted() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a, b, c = make_seq("a", 3), make_seq("b", 3), make_seq("c", 3)
+    scheduler.add([a, b, c])
+    run_step(scheduler, scheduler.schedule())
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.appends] == [a, b, c]
+    results = ok_results(plan)
+    results[0] = OpResult(OpOutcome.NO_SPACE)  # a finds no block
+    outcome = run_step(scheduler, plan, results)
+    assert outcome.preempted == [c]
+    assert [w.seq for w in outcome.work] == [b]  # a retries next step, c is recomputed later
+    assert list(scheduler.waiting) == [c] and c.status is SeqStatus.WAITING
+    assert c.num_computed == 0 and c.block_table == [] and c.num_tokens == 4
+    plan = scheduler.schedule()
+    # c's blocks are freed first; no admission right after a preemption.
+    assert len(plan.frees) == 1 and plan.frees[0].num_computed == 3
+    assert [g.seq for g in plan.appends] == [a, b] and plan.allocates == []
+    run_step(scheduler, plan)
+    plan = scheduler.schedule()
+    # Recompute: c allocates its prompt AND its generated token, and samples after them.
+    assert [(g.seq, g.num_tokens) for g in plan.allocates] == [(c, 4)]
+    outcome = run_step(scheduler, plan)
+    work = next(w for w in outcome.work if w.seq is c)
+    assert (work.start, work.num_tokens, work.do_sample) == (0, 4, True)
+
+
+def test_a_lone_sequence_without_space_preempts_itself() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a = make_seq("a", 3)
+    scheduler.add([a])
+    run_step(scheduler, scheduler.schedule())
+    plan = scheduler.schedule()
+    outcome = run_step(scheduler, plan, [OpResult(OpOutcome.NO_SPACE)])
+    assert outcome.preempted == [a] and outcome.work == []
+
+
+def test_allocation_without_space_goes_back_to_the_front_in_order() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a, b, c = make_seq("a", 3), make_seq("b", 3), make_seq("c", 3)
+    scheduler.add([a, b, c])
+    plan = scheduler.schedule()
+    results = [OpResult(OpOutcome.NO_SPACE)] * 3
+    outcome = run_step(scheduler, plan, results)
+    assert outcome.work == [] and list(scheduler.waiting) == [a, b, c]
+    assert all(s.block_seq_id == 0 for s in (a, b, c))
+
+
+def test_fork_parent_prefills_all_but_the_last_token_then_forks_and_appends_it() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8)
+    parent, c1, c2 = make_seq("r", 6, 0), make_seq("r", 6, 1), make_seq("r", 6, 2)
+    parent.pending_children = [c1, c2]
+    scheduler.add([parent])
+    plan = scheduler.schedule()
+    assert [(g.seq, g.num_tokens) for g in plan.allocates] == [(parent, 5)]
+    outcome = run_step(scheduler, plan)
+    assert [(w.start, w.num_tokens, w.do_sample) for w in outcome.work] == [(0, 5, False)]
+    plan = scheduler.schedule()
+    assert plan.forks == [(parent, c1), (parent, c2)]
+    assert [g.seq for g in plan.appends] == [parent, c1, c2]
+    outcome = run_step(scheduler, plan)
+    assert [(w.seq, w.start, w.num_tokens, w.do_sample) for w in outcome.work] == [
+        (parent, 5, 1, True), (c1, 5, 1, True), (c2, 5, 1, True)]
+    assert scheduler.running == [parent, c1, c2] and parent.pending_children == []
+
+
+def test_seats_count_children_still_to_fork() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=3)
+    parent = make_seq("r", 4)
+    parent.pending_children = [make_seq("r", 4, 1), make_seq("r", 4, 2)]
+    other = make_seq("o", 4)
+    scheduler.add([parent, other])
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == [parent]
+
+
+def test_abort_frees_running_and_drops_waiting() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=1)
+    a, b = make_seq("a", 3), make_seq("b", 3)
+    scheduler.add([a, b])
+    run_step(scheduler, scheduler.schedule())
+    scheduler.finish(a)
+    scheduler.finish(b)
+    plan = scheduler.schedule()
+    assert [(f.block_seq_id, f.num_computed) for f in plan.frees] == [(a.block_seq_id, 3)]
+    assert plan.allocates == [] and not scheduler.waiting and not scheduler.running
+    assert scheduler.schedule().is_empty
+
+
+def test_stale_pool_requeues_everything_for_recompute() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a, b = make_seq("a", 3), make_seq("b", 3)
+    scheduler.add([a, b])
+    run_step(scheduler, scheduler.schedule())
+    plan = scheduler.schedule()
+    outcome = scheduler.apply_results(plan, [OpResult(OpOutcome.STALE)] * plan.num_ops)
+    assert outcome.stale
+    scheduler.reset_all()
+    assert list(scheduler.waiting) == [a, b]
+    plan = scheduler.schedule()
+    assert plan.frees == [] and [(g.seq, g.num_tokens) for g in plan.allocates] == [(a, 4), (b, 4)]
+
+
+def test_an_abandoned_step_puts_admissions_back_in_order() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8)
+    a, b, c = make_seq("a", 3), make_seq("b", 3), make_seq("c", 3)
+    scheduler.add([a, b, c])
+    plan = scheduler.schedule()
+    scheduler.abandon(plan)
+    assert list(scheduler.waiting) == [a, b, c] and all(s.block_seq_id == 0 for s in (a, b, c))
+    scheduler.finish(b)
+    assert list(scheduler.waiting) == [a, c]
