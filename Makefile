@@ -40,9 +40,16 @@ test: setup
 run: setup
 	$(VENV)/bin/pagewire serve --demo
 
+# Each benchmark prints its table; serve_bench also writes bench/results/serve_bench.*.
+# The vLLM peer runs only where `make bench-peers` installed it.
 bench: setup
 	$(PY) bench/block_service.py
 	$(PY) bench/runner.py
+	$(PY) bench/serve_bench.py
+
+# The fuzz tests of every service with ten times the examples `make test` runs.
+fuzz: setup
+	PAGEWIRE_FUZZ_EXAMPLES=20000 $(VENV)/bin/pytest -q -k fuzz $(PYTEST_ARGS)
 
 # vLLM on CPU as a benchmark peer, in its own environment: it pins its own torch. It imports
 # only once torchvision, torchaudio and torchcodec are removed from that environment.

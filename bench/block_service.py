@@ -15,6 +15,15 @@ frees the finished ones (FREE), as the gateway does. Reported for block sizes 16
   this process, each its own session and 256 sequences) stepping at once: their total appends
   per second and their p50, which shows the server's one lock and GIL at work.
 On a shared machine the wall-clock figures drop with other load; the load average is printed.
+
+    .venv/bin/python bench/block_service.py --journal [--quick] [--journal-root DIR]
+
+The journaling cost instead (docs/block_service.md, "Crash recovery"): one Step of 256 decode
+appends (block size 16) without a journal, with a journal (os.write to the page cache) and
+with a journal and fdatasync per record; in-process (the core call) and over gRPC (p50, p99);
+plus the record size, the replay rate at start, and the snapshot size and time for that state.
+The journal directories are made under --journal-root (default: the system's temp directory;
+use a directory on the disk the service would journal to, fsync costs depend on it).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,14 +177,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process() -> Iterator[str]:
+def server_process(extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     """`python -m block_service` on a free loopback port; yields its address."""
     import grpc
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     server = subprocess.Popen([sys.executable, "-m", "block_service", "--port", str(port),
-                               "--log-level", "WARNING"], cwd=ROOT, env=env)
+                               "--log-level", "WARNING", *extra_args], cwd=ROOT, env=env)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             grpc.channel_ready_future(channel).result(timeout=30)
@@ -295,7 +304,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a shorter run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clients", type=int, default=4, help="concurrent gRPC clients")
+    parser.add_argument("--journal", action="store_true",
+                        help="measure the cost of the crash-recovery journal instead")
+    parser.add_argument("--journal-root", default=None,
+                        help="where the journal directories are made (--journal)")
     args = parser.parse_args()
+    if args.journal:
+        return journal_main(args)
     num_steps = 300 if args.quick else 2000
     rows = []
     for block_size in (16, 256):
@@ -335,6 +350,168 @@ def print_table(rows: list[tuple[int, CoreFigures, GrpcFigures]]) -> None:
           "p99 <= 3 ms")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end "
           "(wall-clock figures shrink when other work shares the CPUs; CPU time does not)")
+
+
+# ---- --journal: the cost of crash recovery ------------------------------------------------
+JOURNAL_MODES = {"none": None, "journal": False, "journal+fsync": True}  # name -> fsync
+JOURNAL_BLOCK_SIZE = 16
+JOURNAL_MAX_PROMPT = 600
+
+
+def journal_pool_blocks(num_steps: int) -> int:
+    """Blocks for 256 sequences of up to JOURNAL_MAX_PROMPT + num_steps tokens."""
+    return NUM_SEQUENCES * (-(-(JOURNAL_MAX_PROMPT + num_steps) // JOURNAL_BLOCK_SIZE) + 1)
+
+
+@dataclass
+class JournalFigures:
+    """One journal mode: Step(256 appends) times in-process and over gRPC."""
+
+    mode: str
+    core_times: list[float]
+    grpc_times: list[float]
+
+
+class DecodeCore:
+    """A core with 256 running sequences, journaling into `directory` unless None."""
+
+    def __init__(self, directory: Path | None, fsync: bool, num_steps: int,
+                 rng: random.Random) -> None:
+        from block_service.journal import Journal, JournalPolicy
+
+        self.core = BlockServiceCore()
+        self.journal = None
+        if directory is not None:
+            # No snapshot during the timed steps: their cost is measured on its own.
+            self.journal, _ = Journal.open(directory, JournalPolicy(fsync, 10**9, 1e9))
+            self.core.attach_journal(self.journal)
+        self.session, _ = self.core.open_session("bench")
+        self.core.create_pool("bench", journal_pool_blocks(num_steps), JOURNAL_BLOCK_SIZE, 1)
+        self.lengths = {}
+        for seq_id in range(NUM_SEQUENCES):
+            prompt = [rng.randrange(VOCAB)
+                      for _ in range(rng.randrange(100, JOURNAL_MAX_PROMPT))]
+            self.core.allocate(self.session, "bench", seq_id, prompt)
+            self.lengths[seq_id] = len(prompt)
+        self.rng = rng
+        self.step_id = 0
+
+    def step(self) -> float:
+        """One Step appending a token to every sequence; returns the core call's seconds."""
+        seq_ids = list(self.lengths)
+        tokens = [self.rng.randrange(VOCAB) for _ in seq_ids]
+        computed = [self.lengths[seq_id] for seq_id in seq_ids]
+        self.step_id += 1
+        start = time.perf_counter()
+        result = self.core.step(self.session, "bench", self.step_id, 1,
+                                [OP_APPEND] * len(seq_ids), seq_ids, [1] * len(seq_ids),
+                                tokens, [0] * len(seq_ids), computed)
+        elapsed = time.perf_counter() - start
+        assert all(status == 1 for status in result.op_statuses), result.errors
+        for seq_id in seq_ids:
+            self.lengths[seq_id] += 1
+        return elapsed
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+
+def interleaved(steppers: list[Callable[[], float]], num_steps: int) -> list[list[float]]:
+    """Each stepper's times, taking turns step by step (load from other work on the machine
+    then hits every mode alike)."""
+    times: list[list[float]] = [[] for _ in steppers]
+    for _ in range(num_steps):
+        for index, step in enumerate(steppers):
+            times[index].append(step())
+    warm = min(20, num_steps // 10)
+    return [mode_times[warm:] for mode_times in times]
+
+
+def recovery_figures(directory: Path) -> tuple[float, int, float, float, int]:
+    """(records replayed per second, log bytes per record, replay seconds, snapshot seconds,
+    snapshot bytes) for the journal left in `directory`."""
+    from block_service.journal import Journal, log_name
+
+    log_bytes = (directory / log_name(0)).stat().st_size
+    start = time.perf_counter()
+    journal, recovered = Journal.open(directory)
+    core = BlockServiceCore()
+    core.replay(recovered.state, recovered.records)
+    replay_s = time.perf_counter() - start
+    core.attach_journal(journal)
+    start = time.perf_counter()
+    core.snapshot_now()
+    snapshot_s = time.perf_counter() - start
+    journal.close()
+    records = len(recovered.records)
+    return (records / replay_s, log_bytes // records, replay_s, snapshot_s,
+            (directory / "snapshot").stat().st_size)
+
+
+def journal_main(args: argparse.Namespace) -> int:
+    import tempfile
+
+    num_steps = 300 if args.quick else 1500
+    with tempfile.TemporaryDirectory(dir=args.journal_root) as name:
+        root = Path(name)
+        directories = {mode: None if fsync is None else root / f"core-{index}"
+                       for index, (mode, fsync) in enumerate(JOURNAL_MODES.items())}
+        cores = [DecodeCore(directories[mode], bool(fsync), num_steps, random.Random(args.seed))
+                 for mode, fsync in JOURNAL_MODES.items()]
+        core_times = interleaved([core.step for core in cores], num_steps)
+        for core in cores:
+            core.close()
+        recovery = recovery_figures(directories["journal"])  # type: ignore[arg-type]
+        with contextlib.ExitStack() as stack:
+            clients = []
+            for index, fsync in enumerate(JOURNAL_MODES.values()):
+                extra = () if fsync is None else (
+                    "--journal-dir", str(root / f"grpc-{index}"),
+                    *(("--journal-fsync",) if fsync else ()))
+                address = stack.enter_context(server_process(extra))
+                clients.append(journal_client(address, num_steps, random.Random(args.seed)))
+            grpc_times = interleaved([client.step for client in clients], num_steps)
+            for client in clients:
+                client.close()
+    rows = [JournalFigures(mode, core_times[index], grpc_times[index])
+            for index, mode in enumerate(JOURNAL_MODES)]
+    print_journal_table(rows, recovery)
+    return 0
+
+
+def journal_client(address: str, num_steps: int, rng: random.Random) -> DecodeClient:
+    """A client with 256 sequences on a fresh pool of the server at `address`."""
+    prompts = {seq_id: [rng.randrange(VOCAB)
+                        for _ in range(rng.randrange(100, JOURNAL_MAX_PROMPT))]
+               for seq_id in range(NUM_SEQUENCES)}
+    create_pool(address, "bench", journal_pool_blocks(num_steps), JOURNAL_BLOCK_SIZE)
+    return DecodeClient(address, "bench", prompts, rng)
+
+
+def print_journal_table(rows: list[JournalFigures],
+                        recovery: tuple[float, int, float, float, int] | None) -> None:
+    print(f"Step of {NUM_SEQUENCES} decode appends (block size {JOURNAL_BLOCK_SIZE}): "
+          "in-process core call and gRPC round trip on loopback")
+    print(f"{'mode':>14} | {'core p50':>9} | {'core p99':>9} | {'+ per Step':>10} | "
+          f"{'gRPC p50':>9} | {'gRPC p99':>9} | {'+ per Step':>10}")
+    print("-" * 88)
+    base = rows[0]
+    for row in rows:
+        core_p50 = percentile(row.core_times, 0.5)
+        grpc_p50 = percentile(row.grpc_times, 0.5)
+        print(f"{row.mode:>14} | {core_p50 * 1e3:>6.3f} ms | "
+              f"{percentile(row.core_times, 0.99) * 1e3:>6.3f} ms | "
+              f"{(core_p50 - percentile(base.core_times, 0.5)) * 1e6:>7.0f} us | "
+              f"{grpc_p50 * 1e3:>6.3f} ms | {percentile(row.grpc_times, 0.99) * 1e3:>6.3f} ms | "
+              f"{(grpc_p50 - percentile(base.grpc_times, 0.5)) * 1e6:>7.0f} us")
+    if recovery is not None:
+        rate, record_bytes, replay_s, snapshot_s, snapshot_bytes = recovery
+        print(f"record: {record_bytes:,} bytes per Step; replay at start: {rate:,.0f} Step "
+              f"records/s ({replay_s:.2f} s for this log); snapshot of this state "
+              f"({NUM_SEQUENCES} sequences): {snapshot_bytes / 1e6:.1f} MB in "
+              f"{snapshot_s * 1e3:.0f} ms")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from block_service.journal import Journal
 from block_service.ops import (
     NOT_CHANGED,
     OP_ALLOCATE,
@@ -28,20 +31,68 @@ from block_service.ops import (
     PoolInfo,
     PoolStats,
     StepResult,
+    shown,
 )
 from block_service.pool_manager import PoolManager, bad_tokens
 from block_service.sessions import LeasePolicy, Session, SessionTable
-from block_service.step import HeldElsewhere, apply_op, run_step
+from block_service.step import SessionScope, apply_op, run_step
 
 MAX_POOL_ID_BYTES = 256
+MAX_CLIENT_NAME_BYTES = 256
+MAX_CACHE_SALT_BYTES = 1024
 MAX_BLOCK_SIZE = 65536
-DEFAULT_MAX_OPS_PER_STEP = 65536
-DEFAULT_MAX_POOL_BLOCKS = 1 << 24
+
+# Journal record kinds: each names one state change and the arguments that replay it.
+REC_OPEN = 1  # (session_id, client_name, ttl_s)
+REC_CLOSE = 2  # (session_id,)
+REC_EXPIRE = 3  # (session_id,)
+REC_CREATE_POOL = 4  # (pool_id, num_blocks, block_size, epoch, free_order)
+REC_OP = 5  # the arguments of _apply_single
+REC_STEP = 6  # the arguments of _apply_step
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what clients may ask for (each error message names the one it hit)."""
+
+    max_ops_per_step: int = 65536
+    max_tokens_per_request: int = 1 << 22
+    max_pool_blocks: int = 1 << 24
+    max_pools: int = 64
+    max_sessions: int = 1024
+    max_seqs_per_session: int = 16384
+
+
+@dataclass
+class CoreState:
+    """Everything a snapshot holds: the pools and the sessions (leases are renewed on load)."""
+
+    pools: dict[str, PoolManager]
+    sessions: dict[str, Session]
+    expired_ids: list[str]
 
 
 def invalid(message: str) -> BlockServiceError:
     """An INVALID_ARGUMENT error."""
     return BlockServiceError(ErrorCode.INVALID_ARGUMENT, message)
+
+
+def exhausted(message: str) -> BlockServiceError:
+    """A RESOURCE_EXHAUSTED error."""
+    return BlockServiceError(ErrorCode.RESOURCE_EXHAUSTED, message)
+
+
+def check_text(what: str, text: str, max_bytes: int) -> None:
+    """INVALID_ARGUMENT when a client-supplied string is longer than its limit."""
+    if len(text) > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise invalid(f"{what} is longer than {max_bytes} bytes")
+
+
+def check_tokens_per_request(num_tokens: int, limits: Limits) -> None:
+    """INVALID_ARGUMENT when one request carries more tokens than allowed."""
+    if num_tokens > limits.max_tokens_per_request:
+        raise invalid(f"{num_tokens} tokens in one request: the limit is "
+                      f"{limits.max_tokens_per_request} (max_tokens_per_request)")
 
 
 def raise_failure(result: OpResult) -> OpResult:
@@ -54,10 +105,11 @@ def raise_failure(result: OpResult) -> OpResult:
 def check_pool_shape(pool_id: str, num_blocks: int, block_size: int, epoch: int,
                      max_blocks: int) -> None:
     """Raises INVALID_ARGUMENT for a malformed CreatePool."""
-    if not pool_id or len(pool_id.encode("utf-8")) > MAX_POOL_ID_BYTES:
-        raise invalid(f"pool_id must be 1 to {MAX_POOL_ID_BYTES} bytes")
+    if not pool_id:
+        raise invalid("pool_id is empty")
+    check_text("pool_id", pool_id, MAX_POOL_ID_BYTES)
     if not 1 <= num_blocks <= max_blocks:
-        raise invalid(f"num_blocks {num_blocks} is outside 1 .. {max_blocks}")
+        raise invalid(f"num_blocks {num_blocks} is outside 1 .. {max_blocks} (max_pool_blocks)")
     if not 1 <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1):
         raise invalid(f"block_size {block_size} is not a power of two in 1 .. {MAX_BLOCK_SIZE}")
     if epoch <= 0:
@@ -65,27 +117,101 @@ def check_pool_shape(pool_id: str, num_blocks: int, block_size: int, epoch: int,
 
 
 class BlockServiceCore:
-    """Every pool and session of one block service."""
+    """Every pool and session of one block service.
 
-    def __init__(self, lease_policy: LeasePolicy | None = None,
-                 max_ops_per_step: int = DEFAULT_MAX_OPS_PER_STEP,
-                 max_pool_blocks: int = DEFAULT_MAX_POOL_BLOCKS,
+    With a journal attached (`attach_journal`), every state change appends one record under the
+    lock before its call returns, and `replay` rebuilds the state by sending the same records
+    through the same `_apply_*` methods the live calls use. The only decisions that are not a
+    function of the records are the new session ids (recorded) and lease times (not recorded:
+    replay never expires a lease from the clock, expiries are records, and every session gets
+    a fresh lease after replay).
+    """
+
+    def __init__(self, lease_policy: LeasePolicy | None = None, limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self.pools: dict[str, PoolManager] = {}
         self.sessions = SessionTable(lease_policy or LeasePolicy(), clock)
-        self.max_ops_per_step = max_ops_per_step
-        self.max_pool_blocks = max_pool_blocks
+        self.limits = limits or Limits()
+        self._journal: Journal | None = None
+
+    # ---- journal -------------------------------------------------------------------------
+    def attach_journal(self, journal: Journal) -> None:
+        """Records every later state change in `journal` (after `replay` of its contents)."""
+        with self._lock:
+            self._journal = journal
+
+    def _record(self, kind: int, args: tuple[Any, ...]) -> None:
+        """Journals one state change (under the lock, before the call answers)."""
+        journal = self._journal
+        if journal is None:
+            return
+        journal.append(kind, args)
+        if journal.snapshot_due():
+            journal.write_snapshot(self._state())
+
+    def _state(self) -> CoreState:
+        return CoreState(self.pools, self.sessions.open, self.sessions.expired_ids())
+
+    def snapshot_now(self) -> None:
+        """Writes a snapshot now (after a replay, so that the next start replays little)."""
+        with self._lock:
+            if self._journal is not None:
+                self._journal.write_snapshot(self._state())
+
+    def replay(self, state: CoreState | None, records: Sequence[tuple[int, Any]]) -> None:
+        """Rebuilds the state from a snapshot and the records journaled after it.
+
+        No lease runs out during replay: the `_apply_*` methods never look at lease times
+        (expiries are records of their own). Afterwards every session gets a fresh full lease.
+        Records are applied without journaling them again.
+        """
+        with self._lock:
+            journal, self._journal = self._journal, None
+            try:
+                if state is not None:
+                    self.pools = state.pools
+                    self.sessions.restore(state.sessions, state.expired_ids)
+                for kind, args in records:
+                    self._replay_one(kind, args)
+            finally:
+                self._journal = journal
+            self.sessions.renew_all()
+
+    def _replay_one(self, kind: int, args: tuple[Any, ...]) -> None:
+        """Applies one record. Every record was applied once without a whole-call error (the
+        checks that can fail run before the `_apply_*` methods), so an error here means the
+        journal does not fit this code: starting from a wrong state would be worse."""
+        appliers: dict[int, Callable[..., object]] = {
+            REC_OPEN: self.sessions.start, REC_CLOSE: self._close_session,
+            REC_EXPIRE: self._expire, REC_CREATE_POOL: self._apply_create_pool,
+            REC_OP: self._apply_single, REC_STEP: self._apply_step}
+        try:
+            appliers[kind](*args)
+        except (BlockServiceError, KeyError, TypeError) as error:
+            raise RuntimeError(f"journal record of kind {kind} does not replay: {error}") \
+                from error
 
     # ---- sessions ------------------------------------------------------------------------
     def open_session(self, client_name: str, lease_ttl_ms: int = 0) -> tuple[str, int]:
         """Opens a lease; returns (session_id, granted TTL in ms)."""
+        check_text("client_name", client_name, MAX_CLIENT_NAME_BYTES)
         with self._lock:
-            session = self.sessions.start(client_name, lease_ttl_ms)
-            return session.session_id, round(session.ttl_s * 1000)
+            if len(self.sessions.open) >= self.limits.max_sessions:
+                raise exhausted(f"{len(self.sessions.open)} sessions are open: the limit is "
+                                f"{self.limits.max_sessions} (max_sessions)")
+            session_id = self.sessions.new_id()
+            ttl_s = self.sessions.policy.grant(lease_ttl_ms)
+            self.sessions.start(session_id, client_name, ttl_s)
+            self._record(REC_OPEN, (session_id, client_name, ttl_s))
+            return session_id, round(ttl_s * 1000)
 
     def keep_alive(self, session_id: str) -> int:
-        """Renews a lease; returns the granted TTL in ms."""
+        """Renews a lease; returns the granted TTL in ms.
+
+        Not journaled: a lease time is not replayed (every session gets a fresh lease after a
+        restart); an expiry found here is journaled by `_expire`.
+        """
         with self._lock:
             return round(self._live_session(session_id).ttl_s * 1000)
 
@@ -93,24 +219,34 @@ class BlockServiceCore:
         """Ends a lease and frees its sequences; returns how many were freed."""
         with self._lock:
             self._live_session(session_id)
-            return self._end_session(session_id, expired=False)
+            freed = self._close_session(session_id)
+            self._record(REC_CLOSE, (session_id,))
+            return freed
+
+    def _close_session(self, session_id: str) -> int:
+        return self._end_session(session_id, expired=False)
 
     def reap_expired(self) -> int:
         """Expires every overdue session (freeing its sequences); returns how many."""
         with self._lock:
             overdue = self.sessions.overdue_ids()
             for session_id in overdue:
-                self._end_session(session_id, expired=True)
+                self._expire(session_id)
+                self._record(REC_EXPIRE, (session_id,))
             return len(overdue)
 
     def _live_session(self, session_id: str) -> Session:
         """The session, renewed; an overdue one is expired here and FAILED_PRECONDITION."""
         session = self.sessions.find(session_id)
         if self.sessions.overdue(session):
-            self._end_session(session_id, expired=True)
+            self._expire(session_id)
+            self._record(REC_EXPIRE, (session_id,))
             self.sessions.find(session_id)  # raises FAILED_PRECONDITION (expired)
         self.sessions.renew(session)
         return session
+
+    def _expire(self, session_id: str) -> int:
+        return self._end_session(session_id, expired=True)
 
     def _end_session(self, session_id: str, expired: bool) -> int:
         self.sessions.end(session_id, expired)
@@ -123,20 +259,34 @@ class BlockServiceCore:
 
         `free_order` (tests only) is the order a new pool hands its blocks out in.
         """
-        check_pool_shape(pool_id, num_blocks, block_size, epoch, self.max_pool_blocks)
+        check_pool_shape(pool_id, num_blocks, block_size, epoch, self.limits.max_pool_blocks)
         with self._lock:
             pm = self.pools.get(pool_id)
-            if pm is None:
-                pm = self.pools[pool_id] = PoolManager(pool_id, num_blocks, block_size, epoch,
-                                                       free_order)
-            elif pm.epoch != epoch:
-                pm.new_epoch(epoch, num_blocks, block_size)
-            elif (pm.pool.num_blocks, pm.block_size) != (num_blocks, block_size):
-                raise BlockServiceError(
-                    ErrorCode.FAILED_PRECONDITION,
-                    f"pool {pool_id!r} epoch {epoch} has {pm.pool.num_blocks} blocks of "
-                    f"{pm.block_size}; a new shape needs a new epoch")
-            return self._info(pm)
+            if pm is None and len(self.pools) >= self.limits.max_pools:
+                raise exhausted(f"{len(self.pools)} pools exist: the limit is "
+                                f"{self.limits.max_pools} (max_pools)")
+            if pm is not None and pm.epoch == epoch:
+                if (pm.pool.num_blocks, pm.block_size) != (num_blocks, block_size):
+                    raise BlockServiceError(
+                        ErrorCode.FAILED_PRECONDITION,
+                        f"pool {pool_id!r} epoch {epoch} has {pm.pool.num_blocks} blocks of "
+                        f"{pm.block_size}; a new shape needs a new epoch")
+                return self._info(pm)  # confirmed: nothing changes, nothing to journal
+            order = None if free_order is None else list(free_order)
+            info = self._apply_create_pool(pool_id, num_blocks, block_size, epoch, order)
+            self._record(REC_CREATE_POOL, (pool_id, num_blocks, block_size, epoch, order))
+            return info
+
+    def _apply_create_pool(self, pool_id: str, num_blocks: int, block_size: int, epoch: int,
+                           free_order: list[int] | None) -> PoolInfo:
+        """A new pool, or a new epoch of an existing one."""
+        pm = self.pools.get(pool_id)
+        if pm is None:
+            pm = self.pools[pool_id] = PoolManager(pool_id, num_blocks, block_size, epoch,
+                                                   free_order)
+        else:
+            pm.new_epoch(epoch, num_blocks, block_size)
+        return self._info(pm)
 
     def get_pool(self, pool_id: str) -> PoolInfo:
         """A pool's shape and epoch."""
@@ -159,6 +309,8 @@ class BlockServiceCore:
 
     def match_prefix(self, pool_id: str, token_ids: Sequence[int], cache_salt: str = "") -> int:
         """Leading tokens of `token_ids` held by computed cached blocks."""
+        check_tokens_per_request(len(token_ids), self.limits)
+        check_text("cache_salt", cache_salt, MAX_CACHE_SALT_BYTES)
         with self._lock:
             pm = self._pool(pool_id)
             if token_ids and bad_tokens(token_ids):
@@ -168,32 +320,50 @@ class BlockServiceCore:
     def _pool(self, pool_id: str) -> PoolManager:
         pm = self.pools.get(pool_id)
         if pm is None:
-            raise BlockServiceError(ErrorCode.NOT_FOUND, f"pool {pool_id!r} not found")
+            raise BlockServiceError(ErrorCode.NOT_FOUND, f"pool {shown(pool_id)} not found")
         return pm
 
     @staticmethod
     def _info(pm: PoolManager) -> PoolInfo:
         return PoolInfo(pm.pool_id, pm.pool.num_blocks, pm.block_size, pm.epoch)
 
-    def _held_elsewhere(self, session_id: str, here: PoolManager) -> HeldElsewhere:
+    def _scope(self, session_id: str, here: PoolManager) -> SessionScope:
         others = [pm for pm in self.pools.values() if pm is not here]
-        return lambda seq_id: any(pm.holds(session_id, seq_id) for pm in others)
+        return SessionScope(
+            held_elsewhere=lambda seq_id: any(pm.holds(session_id, seq_id) for pm in others),
+            num_seqs=lambda: sum(len(pm.seqs.get(session_id, ())) for pm in self.pools.values()),
+            max_seqs=self.limits.max_seqs_per_session)
 
     # ---- single operations ---------------------------------------------------------------
     def _single(self, session_id: str, pool_id: str, kind: int, seq_id: int,
                 token_ids: Sequence[int] = (), parent_id: int = 0,
                 num_computed: int = NOT_CHANGED, cache_salt: str = "") -> OpResult:
         """One operation as its own RPC: failures raise, NO_SPACE is returned."""
+        check_tokens_per_request(len(token_ids), self.limits)
+        check_text("cache_salt", cache_salt, MAX_CACHE_SALT_BYTES)
+        args = (session_id, pool_id, kind, seq_id, list(token_ids), parent_id, num_computed,
+                cache_salt)
         with self._lock:
             self._live_session(session_id)
-            pm = self._pool(pool_id)
-            result = apply_op(pm, session_id, kind, seq_id, token_ids, parent_id, num_computed,
-                              cache_salt, self._held_elsewhere(session_id, pm))
-            if kind == OP_APPEND and result.status == STATUS_OK:
-                # Append as its own RPC returns the whole table.
-                seq = pm.seqs[session_id][seq_id]
-                result.table_start, result.table_block_ids = 0, list(seq.block_table)
+            self._pool(pool_id)
+            result = self._apply_single(*args)
+            # Journaled whatever the status: a failed operation may still have changed state
+            # (a stale sequence is forgotten, a NO_SPACE is counted).
+            self._record(REC_OP, args)
             return raise_failure(result)
+
+    def _apply_single(self, session_id: str, pool_id: str, kind: int, seq_id: int,
+                      token_ids: list[int], parent_id: int, num_computed: int,
+                      cache_salt: str) -> OpResult:
+        """One operation on an open session's existing pool."""
+        pm = self._pool(pool_id)
+        result = apply_op(pm, session_id, kind, seq_id, token_ids, parent_id, num_computed,
+                          cache_salt, self._scope(session_id, pm))
+        if kind == OP_APPEND and result.status == STATUS_OK:
+            # Append as its own RPC returns the whole table.
+            seq = pm.seqs[session_id][seq_id]
+            result.table_start, result.table_block_ids = 0, list(seq.block_table)
+        return result
 
     def allocate(self, session_id: str, pool_id: str, seq_id: int, token_ids: Sequence[int],
                  cache_salt: str = "") -> OpResult:
@@ -225,7 +395,7 @@ class BlockServiceCore:
 
         The same step_id as the session's last Step returns that Step's result unchanged.
         """
-        salts = cache_salts or {}
+        salts = dict(cache_salts or {})
         self._check_columns(kinds, seq_ids, token_counts, token_ids, parent_ids, computed,
                             salts)
         with self._lock:
@@ -241,10 +411,23 @@ class BlockServiceCore:
                 raise BlockServiceError(
                     ErrorCode.FAILED_PRECONDITION,
                     f"step built for epoch {epoch}; pool {pool_id!r} is at epoch {pm.epoch}")
-            result = run_step(pm, session_id, step_id, kinds, seq_ids, token_counts, token_ids,
-                              parent_ids, computed, salts, self._held_elsewhere(session_id, pm))
-            session.last_step_id, session.last_step = step_id, result
+            args = (session_id, pool_id, step_id, kinds, seq_ids, token_counts, token_ids,
+                    parent_ids, computed, salts)
+            result = self._apply_step(*args)
+            self._record(REC_STEP, args)
             return result
+
+    def _apply_step(self, session_id: str, pool_id: str, step_id: int, kinds: Sequence[int],
+                    seq_ids: Sequence[int], token_counts: Sequence[int],
+                    token_ids: Sequence[int], parent_ids: Sequence[int],
+                    computed: Sequence[int], salts: Mapping[int, str]) -> StepResult:
+        """A checked Step's operations; the answer is kept for a retry of the same step_id."""
+        session = self.sessions.find(session_id)
+        pm = self._pool(pool_id)
+        result = run_step(pm, session_id, step_id, kinds, seq_ids, token_counts, token_ids,
+                          parent_ids, computed, salts, self._scope(session_id, pm))
+        session.last_step_id, session.last_step = step_id, result
+        return result
 
     def _check_columns(self, kinds: Sequence[int], seq_ids: Sequence[int],
                        token_counts: Sequence[int], token_ids: Sequence[int],
@@ -252,8 +435,10 @@ class BlockServiceCore:
                        salts: Mapping[int, str]) -> None:
         """Raises INVALID_ARGUMENT unless the columns describe len(kinds) operations."""
         num_ops = len(kinds)
-        if num_ops > self.max_ops_per_step:
-            raise invalid(f"{num_ops} operations; at most {self.max_ops_per_step} per step")
+        if num_ops > self.limits.max_ops_per_step:
+            raise invalid(f"{num_ops} operations in one step: the limit is "
+                          f"{self.limits.max_ops_per_step} (max_ops_per_step)")
+        check_tokens_per_request(len(token_ids), self.limits)
         lengths = {"seq_ids": len(seq_ids), "token_counts": len(token_counts),
                    "parent_seq_ids": len(parent_ids), "num_computed_tokens": len(computed)}
         for name, length in lengths.items():
@@ -264,3 +449,5 @@ class BlockServiceCore:
                           f"{len(token_ids)}")
         if any(index >= num_ops for index in salts):
             raise invalid("cache_salts names an operation index past the last operation")
+        for salt in salts.values():
+            check_text("cache_salt", salt, MAX_CACHE_SALT_BYTES)

@@ -35,6 +35,7 @@ class ErrorCode(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     ALREADY_EXISTS = "ALREADY_EXISTS"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 
 
 class BlockServiceError(Exception):
@@ -44,6 +45,17 @@ class BlockServiceError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+MAX_SHOWN_CHARS = 64  # client-supplied names are cut to this in error messages
+
+
+def shown(name: str) -> str:
+    """A client-supplied name for an error message: repr'd and cut short (a 4 MB session id
+    must not become a 4 MB status message)."""
+    if len(name) <= MAX_SHOWN_CHARS:
+        return repr(name)
+    return repr(name[:MAX_SHOWN_CHARS]) + f"... ({len(name)} chars)"
 
 
 # The whole-call error a single-operation RPC raises for each failed per-operation status.

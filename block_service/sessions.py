@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from block_service.ops import BlockServiceError, ErrorCode, StepResult
+from block_service.ops import BlockServiceError, ErrorCode, StepResult, shown
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,15 @@ class SessionTable:
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._remembered_expired = remembered_expired
 
-    def start(self, client_name: str, requested_ttl_ms: int) -> Session:
-        """Opens a session with a granted TTL."""
-        ttl_s = self.policy.grant(requested_ttl_ms)
-        session = Session(secrets.token_hex(16), client_name, ttl_s, self.clock() + ttl_s)
-        self.open[session.session_id] = session
+    @staticmethod
+    def new_id() -> str:
+        """A fresh, unguessable session id (the one random decision: journaled by the core)."""
+        return secrets.token_hex(16)
+
+    def start(self, session_id: str, client_name: str, ttl_s: float) -> Session:
+        """Opens a session with an id and a TTL already chosen (see `new_id`, policy.grant)."""
+        session = Session(session_id, client_name, ttl_s, self.clock() + ttl_s)
+        self.open[session_id] = session
         return session
 
     def find(self, session_id: str) -> Session:
@@ -64,8 +68,8 @@ class SessionTable:
         if session is None:
             if session_id in self._expired:
                 raise BlockServiceError(ErrorCode.FAILED_PRECONDITION,
-                                        f"session {session_id!r} expired; open a new one")
-            raise BlockServiceError(ErrorCode.NOT_FOUND, f"session {session_id!r} not found")
+                                        f"session {shown(session_id)} expired; open a new one")
+            raise BlockServiceError(ErrorCode.NOT_FOUND, f"session {shown(session_id)} not found")
         return session
 
     def overdue(self, session: Session) -> bool:
@@ -84,6 +88,20 @@ class SessionTable:
             if len(self._expired) > self._remembered_expired:
                 self._expired.popitem(last=False)
         return session
+
+    def renew_all(self) -> None:
+        """A fresh full lease for every session (after a restart: clients need to reconnect)."""
+        for session in self.open.values():
+            self.renew(session)
+
+    def expired_ids(self) -> list[str]:
+        """The remembered expired ids, oldest first (for snapshots)."""
+        return list(self._expired)
+
+    def restore(self, open_sessions: dict[str, Session], expired_ids: list[str]) -> None:
+        """Replaces every session by a snapshot's (leases are renewed by the caller)."""
+        self.open = open_sessions
+        self._expired = OrderedDict.fromkeys(expired_ids)
 
     def overdue_ids(self) -> list[str]:
         """Sessions whose lease has run out."""

@@ -11,6 +11,7 @@ Both ways do the same checks, so an operation gets the same answer on either.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from block_service.ops import (
     INT32_MAX,
@@ -28,22 +29,42 @@ from block_service.ops import (
 )
 from block_service.pool_manager import PoolManager, failed
 
-# Whether the session holds this seq id in another pool (seq ids are unique per session).
-HeldElsewhere = Callable[[int], bool]
+
+@dataclass(frozen=True)
+class SessionScope:
+    """What an operation must know of its session beyond the pool it runs in."""
+
+    # Whether the session holds this seq id in another pool (seq ids are unique per session).
+    held_elsewhere: Callable[[int], bool]
+    # Live sequences of the session in every pool, and how many it may hold.
+    num_seqs: Callable[[], int]
+    max_seqs: int
+
+
+def new_seq_refused(pm: PoolManager, session_id: str, seq_id: int,
+                    scope: SessionScope) -> OpResult | None:
+    """Why a new sequence (ALLOCATE, FORK child) may not be created, or None."""
+    if pm.holds(session_id, seq_id) or scope.held_elsewhere(seq_id):
+        return failed(STATUS_ALREADY_EXISTS, f"sequence {seq_id} already exists")
+    held = scope.num_seqs()
+    if held >= scope.max_seqs:
+        return failed(STATUS_INVALID_ARGUMENT,
+                      f"the session holds {held} sequences: the limit is {scope.max_seqs} "
+                      "(max_seqs_per_session)")
+    return None
 
 
 def apply_op(pm: PoolManager, session_id: str, kind: int, seq_id: int, token_ids: Sequence[int],
              parent_id: int, num_computed: int, cache_salt: str,
-             held_elsewhere: HeldElsewhere) -> OpResult:
+             scope: SessionScope) -> OpResult:
     """One operation through the fully validating PoolManager methods."""
     if num_computed < NOT_CHANGED:
         return failed(STATUS_INVALID_ARGUMENT, f"num_computed_tokens {num_computed} < -1")
     if kind == OP_APPEND:
         return pm.append(session_id, seq_id, token_ids, num_computed)
     if kind == OP_ALLOCATE:
-        if pm.holds(session_id, seq_id) or held_elsewhere(seq_id):
-            return failed(STATUS_ALREADY_EXISTS, f"sequence {seq_id} already exists")
-        return pm.allocate(session_id, seq_id, token_ids, cache_salt)
+        return (new_seq_refused(pm, session_id, seq_id, scope)
+                or pm.allocate(session_id, seq_id, token_ids, cache_salt))
     if kind not in (OP_FREE, OP_FORK, OP_COMMIT):
         return failed(STATUS_INVALID_ARGUMENT, f"unknown op kind {kind}")
     if token_ids:
@@ -53,15 +74,14 @@ def apply_op(pm: PoolManager, session_id: str, kind: int, seq_id: int, token_ids
         return pm.free(session_id, seq_id, num_computed)
     if kind == OP_COMMIT:
         return pm.commit(session_id, seq_id, num_computed)
-    if pm.holds(session_id, seq_id) or held_elsewhere(seq_id):
-        return failed(STATUS_ALREADY_EXISTS, f"fork child {seq_id} already exists")
-    return pm.fork(session_id, parent_id, seq_id, num_computed)
+    return (new_seq_refused(pm, session_id, seq_id, scope)
+            or pm.fork(session_id, parent_id, seq_id, num_computed))
 
 
 def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int],
              seq_ids: Sequence[int], token_counts: Sequence[int], token_ids: Sequence[int],
              parent_ids: Sequence[int], computed: Sequence[int],
-             cache_salts: Mapping[int, str], held_elsewhere: HeldElsewhere) -> StepResult:
+             cache_salts: Mapping[int, str], scope: SessionScope) -> StepResult:
     """Applies the (already shape-checked) columns of a Step in order."""
     num_ops = len(kinds)
     statuses = [STATUS_OK] * num_ops
@@ -122,7 +142,7 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
                         offset += 1
                         continue
         result = apply_op(pm, session_id, kind, seq_id, token_ids[offset:offset + count],
-                          parent_ids[i], num_computed, cache_salts.get(i, ""), held_elsewhere)
+                          parent_ids[i], num_computed, cache_salts.get(i, ""), scope)
         offset += count
         statuses[i] = result.status
         if result.status != STATUS_OK:

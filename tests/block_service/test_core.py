@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import xxhash
 
-from block_service.core import BlockServiceCore
+from block_service.core import BlockServiceCore, Limits
 from block_service.hashing import ROOT_HASH, block_hash, chain_hashes, root_hash
 from block_service.ops import (
     OP_ALLOCATE,
@@ -428,7 +428,7 @@ def test_bad_steps_change_nothing(make_core, state_of, change, code):
 
 
 def test_too_many_ops_per_step(make_core, state_of):
-    core = make_core(max_ops_per_step=4)
+    core = make_core(limits=Limits(max_ops_per_step=4))
     session, _ = core.open_session("t")
     core.create_pool(P, 8, 4, 1)
     before = state_of(core)

@@ -1,0 +1,90 @@
+"""Checks shared by the block service tests: the core's invariants and its full state.
+
+`check_invariants` derives everything it expects from the sequences' own tokens and block
+tables (an oracle independent of the pool's bookkeeping): reference counts equal the number of
+tables holding a block, every block is free xor referenced, the stats add up, and every
+published hash is the chained hash of its sequence's tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from block_service.core import BlockServiceCore
+from block_service.hashing import chain_hashes
+from block_service.pool_manager import PoolManager
+
+
+def check_invariants(core: BlockServiceCore, check_hashes: bool = True) -> None:
+    """Asserts the invariants of every pool of `core` (`check_hashes`: recompute every live
+    sequence's hash chain too, which costs a pass over all tokens)."""
+    for pool_id, pm in core.pools.items():
+        check_blocks(pm)
+        check_sequences(pm, check_hashes)
+        stats = core.stats(pool_id)
+        assert stats.free_blocks + stats.used_blocks == stats.total_blocks == pm.pool.num_blocks
+        assert stats.total_refs == sum(pm.pool.ref_counts)
+
+
+def check_blocks(pm: PoolManager) -> None:
+    """Ref counts equal the tables holding each block; free xor referenced; hashes consistent."""
+    pool = pm.pool
+    holders: Counter[int] = Counter()
+    for seqs in pm.seqs.values():
+        for seq in seqs.values():
+            holders.update(seq.block_table)
+    free = pool.free_block_ids()
+    free_set = set(free)
+    assert len(free) == len(free_set), "a block is on the free lists twice"
+    for block in range(pool.num_blocks):
+        assert pool.ref_counts[block] == holders[block], f"block {block} ref count"
+        assert (block in free_set) != (holders[block] > 0), f"block {block} free and held"
+    assert set(holders) <= set(range(pool.num_blocks)), "a table names a block out of range"
+    for digest, block in pool.hash_to_block.items():
+        assert pool.block_hashes[block] == digest
+    for block, digest in enumerate(pool.block_hashes):
+        assert digest is None or pool.hash_to_block.get(digest) == block
+    for block in free:
+        assert pool.is_evictable(block) == (pool.block_hashes[block] is not None)
+
+
+def check_sequences(pm: PoolManager, check_hashes: bool = True) -> None:
+    """Each live sequence's table fits its tokens and its hashes chain over its tokens."""
+    size = pm.block_size
+    for seqs in pm.seqs.values():
+        for seq in seqs.values():
+            assert len(seq.block_table) == -(-len(seq.tokens) // size)
+            assert 0 <= seq.num_computed <= len(seq.tokens)
+            assert seq.num_published == len(seq.hashes) <= seq.num_computed // size
+            if check_hashes:
+                assert seq.hashes == chain_hashes(seq.tokens, size, len(seq.hashes), seq.root)
+
+
+def full_state(core: BlockServiceCore) -> dict[str, Any]:
+    """Every piece of the core's state, counters included, lease deadlines excluded (a
+    restart renews every lease), as comparable plain data."""
+    pools = {}
+    for pool_id, pm in core.pools.items():
+        pool = pm.pool
+        pools[pool_id] = {
+            "shape": (pm.epoch, pool.num_blocks, pm.block_size),
+            "refs": list(pool.ref_counts),
+            "uncached": list(pool._uncached),
+            "evictable": list(pool._evictable),
+            "hash_to_block": dict(pool.hash_to_block),
+            "blocks": (list(pool.block_hashes), list(pool.block_parents),
+                       list(pool.block_tokens)),
+            "seqs": {
+                sid: {seq_id: (list(seq.tokens), list(seq.block_table), seq.num_computed,
+                               seq.num_published, list(seq.hashes), seq.publishing, seq.root)
+                      for seq_id, seq in seqs.items()}
+                for sid, seqs in pm.seqs.items()
+            },
+            "stale": {sid: set(ids) for sid, ids in pm.stale.items()},
+            "counters": (pm.prompt_tokens, pm.cached_prompt_tokens, pm.copies, pm.no_space,
+                         pool.evictions),
+        }
+    sessions = {sid: (s.client_name, s.ttl_s, s.last_step_id, s.last_step)
+                for sid, s in core.sessions.open.items()}
+    return {"pools": pools, "sessions": sessions, "expired": core.sessions.expired_ids()}
