@@ -93,7 +93,7 @@ def _delayed(methods: str) -> dict[str, str]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers.tiny_models import make_tiny_model
 
-    return make_tiny_model("Qwen3ForCausalLM", tmp_path_factory.mktemp("tiny") / "qwen3")
+    return make_tiny_model("qwen3", tmp_path_factory.mktemp("tiny") / "qwen3")
 
 
 def _runner_args(model: Path) -> list[str]:
