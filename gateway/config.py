@@ -6,10 +6,26 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from common.security import read_tokens
+from gateway.validation import (
+    MAX_PROMPT_TOKENS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKENS_LIMIT,
+)
+
 DEFAULT_GATEWAY_PORT = 50051
 # A Generate stream holds a server thread for its whole life, so the gateway needs many more
 # workers than the unary services.
 DEFAULT_MAX_WORKERS = 256
+# Streams allowed at once: below DEFAULT_MAX_WORKERS so that unary calls (Tokenize, health)
+# still find a thread when every stream slot is taken.
+DEFAULT_MAX_STREAMS = 224
+DEFAULT_MAX_STREAMS_PER_CLIENT = 64
+# The public API takes requests of at most 4 MiB (the internal services keep common.server's
+# 64 MiB): a prompt at --max-prompt-tokens fits many times over, and a hostile client cannot
+# make the gateway parse and hold tens of MiB per call.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -23,6 +39,13 @@ class GatewayConfig:
     max_num_seqs: int = 64
     max_waiting: int = 1024
     max_n: int = 16
+    # Limits on what one client may ask (each refusal names its flag).
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_chars: int = MAX_STOP_STRING_CHARS
+    max_streams: int = DEFAULT_MAX_STREAMS
+    max_streams_per_client: int = DEFAULT_MAX_STREAMS_PER_CLIENT
     lease_ttl_ms: int = 10_000
     pool_id: str = ""  # empty: the runner's address
     client_name: str = "gateway"
@@ -42,6 +65,15 @@ class GatewayConfig:
             raise ValueError("--max-waiting must be >= 1")
         if self.max_n < 1:
             raise ValueError("--max-n must be >= 1")
+        for flag, value in (("--max-prompt-tokens", self.max_prompt_tokens),
+                            ("--max-tokens-limit", self.max_tokens_limit),
+                            ("--max-stop-string-chars", self.max_stop_string_chars),
+                            ("--max-streams", self.max_streams),
+                            ("--max-streams-per-client", self.max_streams_per_client)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1")
+        if self.max_stop_strings < 0:
+            raise ValueError("--max-stop-strings must be >= 0")
 
     @property
     def effective_pool_id(self) -> str:
@@ -64,6 +96,22 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                         help="requests queued before RESOURCE_EXHAUSTED")
     parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n per request")
+    parser.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens,
+                        help="longest prompt in tokens")
+    parser.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens_limit,
+                        help="largest max_tokens a request may ask for (and the default cap)")
+    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
+                        help="most stop strings per request")
+    parser.add_argument("--max-stop-string-chars", type=int,
+                        default=defaults.max_stop_string_chars,
+                        help="longest stop string in characters")
+    parser.add_argument("--max-streams", type=int, default=defaults.max_streams,
+                        help="Generate streams open at once, all clients together "
+                             "(keep below --max-workers)")
+    parser.add_argument("--max-streams-per-client", type=int,
+                        default=defaults.max_streams_per_client,
+                        help="Generate streams open at once per client (bearer token, else "
+                             "peer address)")
     parser.add_argument("--lease-ttl-ms", type=int, default=defaults.lease_ttl_ms,
                         help="block-service session lease asked for")
     parser.add_argument("--pool-id", default="",
@@ -74,9 +122,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PEM client certificate for mutual TLS with the backends")
     parser.add_argument("--backend-tls-key", default="", help="its PEM private key")
     parser.add_argument("--backend-auth-token-file", default="",
-                        help="file whose first line is the bearer token sent to the backends")
+                        help="token file (as --auth-token-file) whose first token is sent to "
+                             "the backends")
     if "PAGEWIRE_GATEWAY_MAX_WORKERS" not in os.environ:
         parser.set_defaults(max_workers=DEFAULT_MAX_WORKERS)
+    if "PAGEWIRE_GATEWAY_MAX_MESSAGE_BYTES" not in os.environ:
+        parser.set_defaults(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -89,18 +140,23 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
         max_n=args.max_n,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_streams=args.max_streams,
+        max_streams_per_client=args.max_streams_per_client,
         lease_ttl_ms=args.lease_ttl_ms,
         pool_id=args.pool_id,
         client_name=f"gateway@{args.host}:{args.port}",
         backend_tls_ca=args.backend_tls_ca,
         backend_tls_cert=args.backend_tls_cert,
         backend_tls_key=args.backend_tls_key,
-        backend_token=_first_line(args.backend_auth_token_file),
+        backend_token=_first_token(args.backend_auth_token_file),
     )
 
 
-def _first_line(path: str) -> str:
-    if not path:
-        return ""
-    with open(path) as token_file:
-        return token_file.readline().strip()
+def _first_token(path: str) -> str:
+    """The first token of a token file, read by the same rules as the servers' (blank lines
+    and # comments skipped), so one file can serve both ends."""
+    return read_tokens(path)[0] if path else ""

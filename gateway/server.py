@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from common.log import setup_logging
 from common.security import ClientTls, open_channel
@@ -27,7 +30,7 @@ from gateway.config import (
 from gateway.engine import Engine
 from gateway.servicer import GenerationServicer
 from gateway.tokenizer import Tokenizer, load_tokenizer
-from protos import gateway_pb2, gateway_pb2_grpc
+from protos import gateway_pb2
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +52,18 @@ class Gateway:
         self._runner_channel = _backend_channel(config, config.runner)
         self.engine = Engine(config, self._block_channel, self._runner_channel)
         self.service: GrpcService | None = None
+        self.servicer: GenerationServicer | None = None
         self._options = options
 
     def start(self, timeout_s: float = 300.0) -> GrpcService:
         info = self.engine.start(timeout_s)
-        servicer = GenerationServicer(self.engine, self.tokenizer, info)
+        servicer = GenerationServicer(self.engine, self.tokenizer, info,
+                                      tokens_checked=bool(self._options.auth_tokens))
+        self.servicer = servicer
         self.service = start_server(
             self._options,
-            lambda server: gateway_pb2_grpc.add_GenerationServiceServicer_to_server(
-                servicer, server
-            ),
+            lambda server: server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+                SERVICE_NAME, method_handlers(servicer)),)),
             [SERVICE_NAME],
         )
         return self.service
@@ -70,6 +75,59 @@ class Gateway:
             self.service.stop()
         self._block_channel.close()
         self._runner_channel.close()
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request whose bytes did not parse (gRPC itself would answer INTERNAL for it)."""
+
+    message_name: str
+    error: str
+
+
+def lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    """A request deserializer that turns a parse failure into a Malformed value."""
+    def parse(data: bytes) -> Message | Malformed:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:  # bad wire format or invalid UTF-8 in a string field
+            return Malformed(message_class.DESCRIPTOR.name, str(error) or "unparsable")
+    return parse
+
+
+def _refuse_malformed(request: Any, context: grpc.ServicerContext) -> None:
+    if isinstance(request, Malformed):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"malformed {request.message_name}: {request.error}")
+
+
+def method_handlers(servicer: GenerationServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The GenerationService methods, answering INVALID_ARGUMENT to requests that don't parse."""
+    def generate(request: Any, context: grpc.ServicerContext
+                 ) -> Iterator[gateway_pb2.GenerateResponse]:
+        _refuse_malformed(request, context)
+        yield from servicer.Generate(request, context)
+
+    def unary(method: Callable[[Any, grpc.ServicerContext], Message]
+              ) -> Callable[[Any, grpc.ServicerContext], Message]:
+        def handle(request: Any, context: grpc.ServicerContext) -> Message:
+            _refuse_malformed(request, context)
+            return method(request, context)
+        return handle
+
+    return {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate, request_deserializer=lenient_parser(gateway_pb2.GenerateRequest),
+            response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            unary(servicer.Tokenize),
+            request_deserializer=lenient_parser(gateway_pb2.TokenizeRequest),
+            response_serializer=gateway_pb2.TokenizeResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            unary(servicer.GetModelInfo),
+            request_deserializer=lenient_parser(gateway_pb2.GetModelInfoRequest),
+            response_serializer=gateway_pb2.GetModelInfoResponse.SerializeToString),
+    }
 
 
 def _backend_channel(config: GatewayConfig, address: str) -> grpc.Channel:

@@ -11,7 +11,17 @@ import grpc
 from gateway.engine import AdmissionError, BackendInfo, Engine
 from gateway.request import Request, StreamError
 from gateway.tokenizer import CHAT_ROLES, ChatMessage, Tokenizer
-from gateway.validation import InvalidRequest, Limits, check_prompt_ids, sampling_config
+from gateway.validation import (
+    InvalidRequest,
+    LimitReached,
+    Limits,
+    StreamLimiter,
+    check_identifiers,
+    check_prompt_ids,
+    check_prompt_length,
+    peer_key,
+    sampling_config,
+)
 from protos import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -20,16 +30,24 @@ log = logging.getLogger(__name__)
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     """The public API; every check happens before a request reaches the engine."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, info: BackendInfo) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, info: BackendInfo,
+                 tokens_checked: bool = False) -> None:
+        """`tokens_checked`: the server verifies bearer tokens, so a token names a client."""
         self._engine = engine
+        self._tokens_checked = tokens_checked
         self._tokenizer = tokenizer
         self._info = info
+        config = engine.config
         self._limits = Limits(
             vocab_size=info.vocab_size,
             max_len=info.max_len,
-            max_n=min(engine.config.max_n, engine.config.max_num_seqs,
-                      engine.config.max_num_batched_tokens),
+            max_n=min(config.max_n, config.max_num_seqs, config.max_num_batched_tokens),
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_tokens=config.max_tokens_limit,
+            max_stop_strings=config.max_stop_strings,
+            max_stop_string_chars=config.max_stop_string_chars,
         )
+        self.streams = StreamLimiter(config.max_streams, config.max_streams_per_client)
 
     def Generate(self, request: gateway_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[gateway_pb2.GenerateResponse]:
@@ -37,6 +55,22 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             engine_request = self._build_request(request)
         except InvalidRequest as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        client = peer_key(context.invocation_metadata(), context.peer(), self._tokens_checked)
+        try:
+            release = self.streams.acquire(client)
+        except LimitReached as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        # A cancelled call's slot is given back at once, not when the engine next steps (its
+        # thread may be busy in a long Execute).
+        context.add_callback(release)
+        try:
+            yield from self._stream(engine_request, context)
+        finally:
+            release()
+
+    def _stream(self, engine_request: Request, context: grpc.ServicerContext
+                ) -> Iterator[gateway_pb2.GenerateResponse]:
+        """Submits a validated request and yields its messages until it ends."""
         try:
             self._engine.submit(engine_request)
         except AdmissionError as error:
@@ -59,6 +93,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                  context: grpc.ServicerContext) -> gateway_pb2.TokenizeResponse:
         try:
             token_ids = self._prompt_ids(request)
+            check_prompt_length(len(token_ids), self._limits)
         except InvalidRequest as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return gateway_pb2.TokenizeResponse(
@@ -78,7 +113,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     # ----- building a request --------------------------------------------------------------
 
     def _build_request(self, request: gateway_pb2.GenerateRequest) -> Request:
+        check_identifiers(request.request_id, request.cache_salt)
         if request.WhichOneof("input") == "prompt_token_ids":
+            check_prompt_length(len(request.prompt_token_ids.token_ids), self._limits)
             prompt_ids = list(request.prompt_token_ids.token_ids)
         else:
             prompt_ids = self._prompt_ids(request)
