@@ -2,12 +2,14 @@
 
 Set `PAGEWIRE_INJECT_DELAY_MS` (and optionally `PAGEWIRE_INJECT_DELAY_METHODS`, a comma-separated
 list of method names such as `Step,Execute`) in a service's environment and every matching unary
-call sleeps that long before it is handled. Nothing is injected when unset.
+call sleeps that long before it is handled. With `PAGEWIRE_INJECT_DELAY_COUNT=N` only the first N
+matching calls are delayed (a slow moment, not a slow service). Nothing is injected when unset.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -17,18 +19,32 @@ from common.interceptors import UnaryBehavior, UnaryInterceptor
 
 
 class DelayInterceptor(UnaryInterceptor):
-    """Sleeps `delay_s` before handling unary calls named in `methods` (all when empty)."""
+    """Sleeps `delay_s` before handling unary calls named in `methods` (all when empty);
+    only the first `count` of them when `count` is set."""
 
-    def __init__(self, delay_s: float, methods: tuple[str, ...]) -> None:
+    def __init__(self, delay_s: float, methods: tuple[str, ...], count: int | None = None) -> None:
         self.delay_s = delay_s
         self.methods = methods
+        self._left = count  # delays still to inject; None: every matching call
+        self._lock = threading.Lock()
 
     def applies_to(self, method: str) -> bool:
         return not self.methods or method.rsplit("/", 1)[-1] in self.methods
 
+    def _take_one(self) -> bool:
+        """Whether this call is delayed (uses up one of `count`)."""
+        with self._lock:
+            if self._left is None:
+                return True
+            if self._left <= 0:
+                return False
+            self._left -= 1
+            return True
+
     def wrap(self, method: str, inner: UnaryBehavior) -> UnaryBehavior:
         def delayed(request: Any, context: grpc.ServicerContext) -> Any:
-            time.sleep(self.delay_s)
+            if self._take_one():
+                time.sleep(self.delay_s)
             return inner(request, context)
 
         return delayed
@@ -41,4 +57,6 @@ def interceptors_from_env() -> list[grpc.ServerInterceptor]:
         return []
     listed = os.environ.get("PAGEWIRE_INJECT_DELAY_METHODS", "")
     methods = tuple(m.strip() for m in listed.split(",") if m.strip())
-    return [DelayInterceptor(delay_ms / 1000.0, methods)]
+    count_text = os.environ.get("PAGEWIRE_INJECT_DELAY_COUNT", "").strip()
+    count = int(count_text) if count_text else None
+    return [DelayInterceptor(delay_ms / 1000.0, methods, count)]

@@ -72,6 +72,11 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where the services' logs go (default: a new temp folder)")
+    parser.add_argument("--journal-dir", type=Path, default=None,
+                        help="the block service's journal, replayed when it restarts "
+                             "(default: a folder in --log-dir)")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="stop everything when a service dies instead of restarting it")
     parser.add_argument("--demo", action="store_true",
                         help="stream the answer to a demo chat prompt once serving")
 
@@ -177,7 +182,8 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, metrics_port=args.metrics_port,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, log_dir=args.log_dir,
+        max_num_seqs=args.max_num_seqs, log_dir=args.log_dir, journal_dir=args.journal_dir,
+        restart=not args.no_restart,
     ))
     launcher.install_signal_handlers()
     log.info("logs in %s", launcher.log_dir)

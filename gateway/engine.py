@@ -2,18 +2,27 @@
 
 One thread owns the scheduler and every request's state. Servicer threads only hand
 requests in (`submit`) and ask for aborts (`abort`); both wake the loop. A second thread
-keeps the block-service session alive. When the runner's epoch changes (it restarted and
-lost its KV cache) or the session is lost, the engine re-creates the pool and a session and
-puts every running sequence back in the queue to be recomputed: streams go on unchanged.
+keeps the block-service session alive and probes the runner. When the runner's epoch changes
+(it restarted and lost its KV cache) or the session is lost, the engine re-creates the pool and
+a session and puts every running sequence back in the queue to be recomputed: streams go on
+unchanged.
+
+Every call has a deadline; a call that times out or finds its peer unavailable is retried with
+the same request (same session, step id and epoch: Step and Execute are idempotent by step
+id), so a block service restarted from its journal, or a slow call, changes nothing. A backend
+failing for a while is "down": health turns NOT_SERVING and new requests get UNAVAILABLE;
+running ones wait up to the backend-down timeout, then fail with UNAVAILABLE.
+See docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,11 +47,147 @@ log = logging.getLogger(__name__)
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # The session or pool is gone, or the runner restarted: recover by starting over.
 _LOST = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
-_RETRY_DELAYS_S = (0.05, 0.2, 0.5, 1.0, 2.0)
+_FIRST_RETRY_DELAY_S = 0.05
+_MAX_RETRY_DELAY_S = 0.5  # a restarted peer is picked up within half a second
 _IDLE_WAIT_S = 0.5
 _NO_PROGRESS_WAIT_S = 0.01
+# Control calls (Step, KeepAlive, CreatePool, ...) are short: a lost one is retried after
+# this long at most. Execute gets the whole rpc_timeout_s (a long prefill on a CPU is slow).
+_CONTROL_TIMEOUT_S = 10.0
+# A dependency failing for this long is "down": health NOT_SERVING, new requests UNAVAILABLE.
+_DOWN_AFTER_S = 1.0
+_DOWN_PROBE_S = 0.2  # how often a backend that is down is probed
+# How long running requests wait for a dependency to come back before they fail.
+DEFAULT_BACKEND_DOWN_TIMEOUT_S = 30.0
+BACKEND_DOWN_TIMEOUT_ENV = "PAGEWIRE_GATEWAY_BACKEND_DOWN_TIMEOUT_S"
+RPC_TIMEOUT_ENV = "PAGEWIRE_GATEWAY_RPC_TIMEOUT_S"
+BLOCK_SERVICE = "block service"
+RUNNER = "runner"
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Deadlines of the calls to the block service and the runner, and how long to wait for
+    one of them to come back."""
+
+    execute_timeout_s: float = 120.0  # one Execute
+    control_timeout_s: float = _CONTROL_TIMEOUT_S  # one Step, KeepAlive, CreatePool, ...
+    down_after_s: float = _DOWN_AFTER_S  # failing this long: health NOT_SERVING
+    give_up_s: float = DEFAULT_BACKEND_DOWN_TIMEOUT_S  # failing this long: requests fail
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig,
+                    environ: Mapping[str, str] | None = None) -> RetryPolicy:
+        """From the config's rpc_timeout_s; PAGEWIRE_GATEWAY_RPC_TIMEOUT_S and
+        PAGEWIRE_GATEWAY_BACKEND_DOWN_TIMEOUT_S override (processes started by tests and by
+        `pagewire serve` set them)."""
+        env = os.environ if environ is None else environ
+        rpc_timeout_s = float(env.get(RPC_TIMEOUT_ENV) or config.rpc_timeout_s)
+        give_up_s = float(env.get(BACKEND_DOWN_TIMEOUT_ENV) or DEFAULT_BACKEND_DOWN_TIMEOUT_S)
+        if rpc_timeout_s <= 0 or give_up_s <= 0:
+            raise ValueError("RPC and backend-down timeouts must be positive")
+        return cls(execute_timeout_s=rpc_timeout_s,
+                   control_timeout_s=min(rpc_timeout_s, _CONTROL_TIMEOUT_S),
+                   down_after_s=min(_DOWN_AFTER_S, give_up_s), give_up_s=give_up_s)
+
+
+class DependencyHealth:
+    """Which backends are down, and since when; tells a listener when the gateway as a whole
+    turns NOT_SERVING (some backend down) or SERVING again (all back)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down: dict[str, str] = {}  # backend -> why
+        self._listener: Callable[[bool], None] | None = None
+        self._came_back = threading.Condition(self._lock)  # notified when one is back up
+
+    def set_listener(self, listener: Callable[[bool], None] | None) -> None:
+        with self._lock:
+            self._listener = listener
+            serving = not self._down
+        if listener is not None:
+            listener(serving)
+
+    @property
+    def serving(self) -> bool:
+        return not self._down
+
+    def problem(self) -> str:
+        """Why the gateway is not serving ("" when it is)."""
+        with self._lock:
+            return "; ".join(f"the {name} is unreachable ({why})"
+                             for name, why in sorted(self._down.items()))
+
+    def mark_down(self, name: str, why: str) -> None:
+        with self._lock:
+            was_serving = not self._down
+            first = name not in self._down
+            self._down[name] = why
+            listener = self._listener
+        if first:
+            log.warning("the %s is down: %s", name, why)
+        if was_serving and listener is not None:
+            listener(False)
+
+    def wait_until_back(self, timeout_s: float) -> None:
+        """Sleeps up to `timeout_s`, less when a backend comes back meanwhile (a retry then
+        goes out at once instead of at the end of its backoff)."""
+        with self._lock:
+            self._came_back.wait(timeout_s)
+
+    def mark_up(self, name: str) -> None:
+        with self._lock:
+            if name not in self._down:
+                return
+            del self._down[name]
+            self._came_back.notify_all()
+            now_serving = not self._down
+            listener = self._listener
+        log.info("the %s is back", name)
+        if now_serving and listener is not None:
+            listener(True)
+
+
+def call_with_retry(rpc: Callable[..., T], request: Any, timeout_s: float,
+                    policy: RetryPolicy | None = None, health: DependencyHealth | None = None,
+                    backend: str = "", stopping: threading.Event | None = None) -> T:
+    """Calls a unary RPC with a deadline, retrying THE SAME request while the peer is
+    unavailable or the call timed out (every call is safe to retry: Step and Execute are
+    deduplicated by (session, step id), the others are idempotent).
+
+    Gives up after `policy.give_up_s` of failures (raising the last error); after
+    `policy.down_after_s` the backend is marked down in `health` until a call succeeds.
+    """
+    policy = policy or RetryPolicy()
+    first_failure: float | None = None
+    delay = _FIRST_RETRY_DELAY_S
+    while True:
+        try:
+            reply = rpc(request, timeout=timeout_s)
+        except grpc.RpcError as error:
+            code = error.code()  # type: ignore[attr-defined]
+            if code not in _RETRYABLE:
+                raise
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            failing_s = now - first_failure
+            if health is not None and failing_s >= policy.down_after_s:
+                health.mark_down(backend, f"{code.name} for {failing_s:.1f} s")
+            if failing_s >= policy.give_up_s or (stopping is not None and stopping.is_set()):
+                raise
+            log.info("%s call failed (%s): retrying the same request in %.2f s", backend or
+                     "backend", code.name, delay)
+            if health is not None:
+                health.wait_until_back(delay)
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, _MAX_RETRY_DELAY_S)
+            continue
+        if health is not None and backend:
+            health.mark_up(backend)
+        return reply  # type: ignore[no-any-return]
 
 
 class AdmissionError(Exception):
@@ -74,25 +219,14 @@ class BackendInfo:
         return min(self.max_model_len, self.num_blocks * self.block_size)
 
 
-def call_with_retry(rpc: Callable[..., T], request: Any, timeout_s: float) -> T:
-    """Calls a unary RPC, retrying while the peer is unavailable (all our RPCs are safe to
-    retry: Step and Execute deduplicate by step id)."""
-    for delay in (*_RETRY_DELAYS_S, None):
-        try:
-            return rpc(request, timeout=timeout_s)
-        except grpc.RpcError as error:
-            if error.code() not in _RETRYABLE or delay is None:  # type: ignore[attr-defined]
-                raise
-            time.sleep(delay)
-    raise AssertionError("unreachable")
-
-
 class Engine:
     """Schedules and runs every request of one gateway."""
 
     def __init__(self, config: GatewayConfig, block_channel: grpc.Channel,
                  runner_channel: grpc.Channel) -> None:
         self.config = config
+        self.retry = RetryPolicy.from_config(config)
+        self.health = DependencyHealth()
         self._blocks = block_pb2_grpc.BlockServiceStub(block_channel)
         self._runner = runner_pb2_grpc.RunnerServiceStub(runner_channel)
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs)
@@ -105,9 +239,12 @@ class Engine:
         self._aborts: set[str] = set()
         self._num_waiting = 0  # sequences the scheduler holds in its queue (read by submit)
         self._needs_reset = False
+        self._epoch_seen = 0  # a runner epoch the watcher saw that differs from info's
         self._stopping = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._keepalive_thread: threading.Thread | None = None
+        self._lease_ttl_ms = config.lease_ttl_ms
+        self._probe_failing_since: dict[str, float] = {}  # watcher thread only
 
     # ----- life cycle ----------------------------------------------------------------------
 
@@ -118,7 +255,7 @@ class Engine:
         self._open_session()
         self._loop_thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._keepalive_thread = threading.Thread(
-            target=self._keep_alive, name="engine-keepalive", daemon=True
+            target=self._watch_backends, name="engine-keepalive", daemon=True
         )
         self._loop_thread.start()
         self._keepalive_thread.start()
@@ -126,6 +263,7 @@ class Engine:
 
     def stop(self) -> None:
         """Ends the loop; unfinished requests end with finish reason abort."""
+        self.health.set_listener(None)  # the server is stopping: health stays NOT_SERVING
         self._stopping.set()
         with self._lock:
             self._lock.notify_all()
@@ -136,11 +274,19 @@ class Engine:
             request.flush()
         self._close_session()
 
+    def set_health_listener(self, listener: Callable[[bool], None] | None) -> None:
+        """`listener(serving)` is called now and whenever a backend goes down or comes back
+        (the server wires it to its health status)."""
+        self.health.set_listener(listener)
+
     def _wait_for_runner(self, timeout_s: float) -> BackendInfo:
         deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
         while True:
             try:
-                reply = self._runner.Info(runner_pb2.InfoRequest(), timeout=10)
+                reply = self._runner.Info(runner_pb2.InfoRequest(),
+                                          timeout=self.retry.control_timeout_s)
+                self.health.mark_up(RUNNER)
                 return _backend_info(reply)
             except grpc.RpcError as error:
                 code = error.code()  # type: ignore[attr-defined]
@@ -148,19 +294,27 @@ class Engine:
                 if (code not in _RETRYABLE or time.monotonic() > deadline
                         or self._stopping.is_set()):
                     raise
+                if time.monotonic() - started >= self.retry.down_after_s:
+                    self.health.mark_down(RUNNER, f"Info: {code.name}")
                 log.info("waiting for the runner: %s", code)
-                time.sleep(0.5)
+                time.sleep(0.2)
+
+    def _call(self, backend: str, rpc: Callable[..., T], request: Any,
+              timeout_s: float | None = None) -> T:
+        """One call to a backend under the retry policy (same request on every retry)."""
+        return call_with_retry(rpc, request, timeout_s or self.retry.control_timeout_s,
+                               self.retry, self.health, backend, self._stopping)
 
     def _create_pool(self, info: BackendInfo) -> None:
-        call_with_retry(self._blocks.CreatePool, block_pb2.CreatePoolRequest(
+        self._call(BLOCK_SERVICE, self._blocks.CreatePool, block_pb2.CreatePoolRequest(
             pool_id=self.config.effective_pool_id, num_blocks=info.num_blocks,
             block_size=info.block_size, epoch=info.epoch,
-        ), self.config.rpc_timeout_s)
+        ))
 
     def _open_session(self) -> None:
-        reply = call_with_retry(self._blocks.OpenSession, block_pb2.OpenSessionRequest(
+        reply = self._call(BLOCK_SERVICE, self._blocks.OpenSession, block_pb2.OpenSessionRequest(
             client_name=self.config.client_name, lease_ttl_ms=self.config.lease_ttl_ms,
-        ), self.config.rpc_timeout_s)
+        ))
         self._session_id = reply.session_id
         self._lease_ttl_ms = reply.lease_ttl_ms or self.config.lease_ttl_ms
         self._step_id = 0
@@ -177,21 +331,69 @@ class Engine:
             log.info("closing the session: %s", error.code())  # type: ignore[attr-defined]
         self._session_id = ""
 
-    def _keep_alive(self) -> None:
-        while not self._stopping.wait(self._lease_ttl_ms / 3000):
-            session_id = self._session_id
-            try:
-                self._blocks.KeepAlive(block_pb2.KeepAliveRequest(session_id=session_id),
-                                       timeout=max(1.0, self._lease_ttl_ms / 3000))
-            except grpc.RpcError as error:
-                code = error.code()  # type: ignore[attr-defined]
-                if code in _LOST and session_id == self._session_id:
-                    log.warning("session %s lost (%s): resetting", session_id, code)
-                    with self._lock:
-                        self._needs_reset = True
-                        self._lock.notify_all()
-                else:
-                    log.info("keep-alive failed: %s", code)
+    def _watch_backends(self) -> None:
+        """Renews the lease every third of it and probes the runner as often (at least every
+        second): a backend that goes down (or a runner that restarts) is noticed even while
+        the gateway idles. While one is down both are probed every 0.2 s, so that health
+        turns SERVING soon after it is back."""
+        period_s = min(1.0, self._lease_ttl_ms / 3000)
+        next_due = time.monotonic() + period_s
+        while not self._stopping.wait(_DOWN_PROBE_S):
+            now = time.monotonic()
+            if now < next_due and self.health.serving:
+                continue
+            next_due = now + period_s
+            self._keep_alive_once()
+            self._probe_runner()
+
+    def _keep_alive_once(self) -> None:
+        session_id = self._session_id
+        try:
+            self._blocks.KeepAlive(block_pb2.KeepAliveRequest(session_id=session_id),
+                                   timeout=max(1.0, self._lease_ttl_ms / 3000))
+            self._probe_ok(BLOCK_SERVICE)
+        except grpc.RpcError as error:
+            code = error.code()  # type: ignore[attr-defined]
+            if code in _LOST and session_id == self._session_id:
+                log.warning("session %s lost (%s): resetting", session_id, code)
+                self._request_reset()
+            elif code in _RETRYABLE:
+                self._probe_failed(BLOCK_SERVICE, "KeepAlive", code)
+            else:
+                log.info("keep-alive failed: %s", code)
+
+    def _probe_runner(self) -> None:
+        try:
+            reply = self._runner.Info(runner_pb2.InfoRequest(), timeout=1.0)
+        except grpc.RpcError as error:
+            code = error.code()  # type: ignore[attr-defined]
+            if code in _RETRYABLE:
+                self._probe_failed(RUNNER, "Info", code)
+            return
+        self._probe_ok(RUNNER)
+        info = self.info
+        if info is not None and reply.epoch != info.epoch:
+            log.warning("runner epoch %d -> %d: its KV cache is gone", info.epoch, reply.epoch)
+            with self._lock:
+                self._epoch_seen = reply.epoch
+                self._lock.notify_all()
+
+    def _probe_ok(self, backend: str) -> None:
+        self._probe_failing_since.pop(backend, None)
+        self.health.mark_up(backend)
+
+    def _probe_failed(self, backend: str, what: str, code: grpc.StatusCode) -> None:
+        """A refused connection marks the backend down at once; a slow answer only once it
+        has been slow for down_after_s (a busy backend is not a dead one)."""
+        now = time.monotonic()
+        since = self._probe_failing_since.setdefault(backend, now)
+        if code == grpc.StatusCode.UNAVAILABLE or now - since >= self.retry.down_after_s:
+            self.health.mark_down(backend, f"{what}: {code.name}")
+
+    def _request_reset(self) -> None:
+        with self._lock:
+            self._needs_reset = True
+            self._lock.notify_all()
 
     # ----- requests (any thread) -----------------------------------------------------------
 
@@ -204,6 +406,13 @@ class Engine:
                 raise AdmissionError(
                     f"waiting queue full ({self.config.max_waiting} requests): retry later"
                 )
+            problem = self.health.problem()
+            if problem:
+                # Not queued: a backend is down, so the request would only hang.
+                request.fail("UNAVAILABLE", f"pagewire cannot serve now: {problem}; "
+                                            "retry later")
+                metrics.REQUESTS.labels("unavailable").inc()
+                return
             self._inbox.append(request)
             self._lock.notify_all()
 
@@ -231,6 +440,10 @@ class Engine:
         """Takes what came in, then runs one step (or waits for work)."""
         try:
             self._take_inbox()
+            if self._epoch_seen:
+                # Seen by the watcher; stale if the loop has already reset to it.
+                seen, self._epoch_seen = self._epoch_seen, 0
+                self._needs_reset |= self.info is None or seen != self.info.epoch
             if self._needs_reset:
                 self._reset()
             if not self.scheduler.has_work:
@@ -245,7 +458,8 @@ class Engine:
 
     def _wait_for_work(self) -> None:
         with self._lock:
-            if not self._inbox and not self._aborts and not self._needs_reset:
+            if (not self._inbox and not self._aborts and not self._needs_reset
+                    and not self._epoch_seen):
                 self._lock.wait(_IDLE_WAIT_S)
 
     def _take_inbox(self) -> None:
@@ -311,7 +525,7 @@ class Engine:
         metrics.STEPS.inc()
         try:
             with metrics.STEP_SECONDS.time():
-                return call_with_retry(self._blocks.Step, request, self.config.rpc_timeout_s)
+                return self._call(BLOCK_SERVICE, self._blocks.Step, request)
         except grpc.RpcError as error:
             if error.code() in _LOST:  # type: ignore[attr-defined]
                 raise BackendLost(error.details()) from error  # type: ignore[attr-defined]
@@ -348,7 +562,8 @@ class Engine:
         metrics.SCHEDULED_TOKENS.inc(len(request.token_ids))
         try:
             with metrics.EXECUTE_SECONDS.time():
-                reply = call_with_retry(self._runner.Execute, request, self.config.rpc_timeout_s)
+                reply = self._call(RUNNER, self._runner.Execute, request,
+                                   self.retry.execute_timeout_s)
             metrics.RUNNER_SECONDS.observe(reply.total_ms / 1000)
             return reply
         except grpc.RpcError as error:
@@ -383,13 +598,15 @@ class Engine:
     def _reset(self) -> None:
         """Starts over with the runner's current epoch and a new session; running sequences
         are recomputed from their tokens so far."""
-        self.info = self._wait_for_runner(self.config.rpc_timeout_s)
+        started = time.monotonic()
+        self.info = self._wait_for_runner(self.retry.give_up_s)
         self._create_pool(self.info)
         self._close_session()
         self._open_session()
         requeued = self.scheduler.reset_all()
         self._needs_reset = False
-        log.info("reset at epoch %d: %d sequence(s) to recompute", self.info.epoch, len(requeued))
+        log.info("reset at epoch %d in %.2f s: %d sequence(s) to recompute", self.info.epoch,
+                 time.monotonic() - started, len(requeued))
 
     def _fail_everything(self, error: grpc.RpcError | None) -> None:
         """A dependency stayed down: end every request with UNAVAILABLE and start over."""

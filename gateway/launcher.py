@@ -1,14 +1,19 @@
 """`pagewire serve`: the three services as processes on localhost, supervised together.
 
 The block service and the runner listen on free internal ports; the gateway on --port
-(50051). The launcher waits until each answers health SERVING, then watches them: when one
-exits, or on Ctrl-C / SIGTERM, all are stopped together (gateway first, so streams end
-before their backends go).
+(50051). The launcher waits until each answers health SERVING, then watches them. A service
+that dies is restarted on the same port, after a backoff that doubles with each quick death
+(0.5 s up to 30 s; back to 0.5 s once it has run for a minute), and the launcher logs why it
+died (exit code or signal). The block service journals into a folder of this serve run, so
+a restarted one comes back with every session and block table; a restarted runner has a new
+epoch and the gateway recomputes its running sequences. On Ctrl-C / SIGTERM all are stopped
+together (gateway first, so streams end before their backends go).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -26,6 +31,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 log = logging.getLogger("pagewire")
 
 _STOP_TIMEOUT_S = 15.0
+_FIRST_BACKOFF_S = 0.5
+_MAX_BACKOFF_S = 30.0
+_STABLE_AFTER_S = 60.0  # a child that ran this long starts over at the first backoff
 
 
 @dataclass
@@ -43,13 +51,43 @@ class LaunchConfig:
     max_num_seqs: int | None = None
     runner_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    journal_dir: Path | None = None  # the block service's journal (default: under log_dir)
     startup_timeout_s: float = 900.0  # a first start converts the default model
+    restart: bool = True  # restart a service that dies (False: stop everything)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def exit_reason(code: int) -> str:
+    """A Popen return code in words: "exit code 3" or "signal SIGKILL"."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class Backoff:
+    """Restart delays of one child: doubling while it keeps dying soon after a start."""
+
+    first_s: float = _FIRST_BACKOFF_S
+    max_s: float = _MAX_BACKOFF_S
+    stable_after_s: float = _STABLE_AFTER_S
+    next_s: float = _FIRST_BACKOFF_S
+
+    def delay_after(self, ran_s: float) -> float:
+        """The delay before the next start of a child that ran `ran_s` seconds."""
+        if ran_s >= self.stable_after_s:
+            self.next_s = self.first_s
+        delay = self.next_s
+        self.next_s = min(self.next_s * 2, self.max_s)
+        return delay
 
 
 def is_serving(address: str, timeout_s: float = 1.0) -> bool:
@@ -72,14 +110,21 @@ class Child:
     address: str
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff: Backoff = field(default_factory=Backoff)
+    restart_at: float | None = None  # when a dead child is due to start again
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log_file:
             # A session of its own: Ctrl-C reaches the launcher only, which stops the
             # children in order.
             self.process = subprocess.Popen(
-                self.command, stdout=log_file, stderr=log_file, start_new_session=True
+                self.command, stdout=log_file, stderr=log_file, start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None,
             )
+        self.started_at = time.monotonic()
 
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -109,6 +154,8 @@ class Launcher:
         self.config = config
         self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="pagewire-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.journal_dir = config.journal_dir or self.log_dir / "block_journal"
+        self.journal_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self._stop_requested = threading.Event()
 
@@ -124,7 +171,8 @@ class Launcher:
         py = [sys.executable, "-m"]
         self._start_child(Child(
             "block_service", [*py, "block_service", "--host", host,
-                              "--port", block_address.rsplit(":", 1)[1]],
+                              "--port", block_address.rsplit(":", 1)[1],
+                              "--journal-dir", str(self.journal_dir)],
             block_address, self.log_dir / "block_service.log"))
         self._start_child(Child(
             "gpu_runner", [*py, "gpu_runner", "--host", host,
@@ -171,14 +219,38 @@ class Launcher:
             time.sleep(0.2)
 
     def supervise(self) -> int:
-        """Waits until a child exits or a stop is requested; returns the exit code."""
-        while not self._stop_requested.wait(0.5):
+        """Watches the children until a stop is requested, restarting one that dies (with
+        backoff); returns the exit code (1 when restarts are off and a child died)."""
+        while not self._stop_requested.wait(0.2):
             for child in self.children:
-                code = child.exited()
-                if code is not None:
-                    log.error("%s exited with %s:\n%s", child.name, code, child.log_tail())
+                if not self._watch(child):
                     return 1
         return 0
+
+    def _watch(self, child: Child) -> bool:
+        """One look at a child: notices a death, restarts when due. False: give up."""
+        if child.restart_at is not None:
+            if time.monotonic() >= child.restart_at:
+                self._restart(child)
+            return True
+        code = child.exited()
+        if code is None:
+            return True
+        ran_s = time.monotonic() - child.started_at
+        log.error("%s died (%s) after %.1f s:\n%s", child.name, exit_reason(code), ran_s,
+                  child.log_tail())
+        if not self.config.restart:
+            return False
+        delay = child.backoff.delay_after(ran_s)
+        log.warning("restarting %s on %s in %.1f s", child.name, child.address, delay)
+        child.restart_at = time.monotonic() + delay
+        return True
+
+    def _restart(self, child: Child) -> None:
+        child.restart_at = None
+        child.restarts += 1
+        log.info("starting %s again (restart %d)", child.name, child.restarts)
+        child.start()
 
     def request_stop(self) -> None:
         self._stop_requested.set()
