@@ -56,6 +56,9 @@ class LaunchConfig:
     restart: bool = True  # restart a service that dies (False: stop everything)
 
 
+INTERNAL_HOST = "127.0.0.1"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -165,7 +168,9 @@ class Launcher:
 
     def start(self) -> None:
         """Starts the three services in dependency order; raises if one fails to come up."""
-        host = self.config.host
+        # Only the gateway may face the network: the internal services take orders from
+        # gateways alone, so they stay on loopback whatever --host says.
+        host = INTERNAL_HOST
         block_address = f"{host}:{free_port(host)}"
         runner_address = f"{host}:{free_port(host)}"
         py = [sys.executable, "-m"]
@@ -179,7 +184,8 @@ class Launcher:
                            "--port", runner_address.rsplit(":", 1)[1], *self._runner_flags()],
             runner_address, self.log_dir / "gpu_runner.log"))
         self._start_child(Child(
-            "gateway", [*py, "gateway", "--host", host, "--port", str(self.config.port),
+            "gateway", [*py, "gateway", "--host", self.config.host,
+                        "--port", str(self.config.port),
                         "--block-service", block_address, "--runner", runner_address,
                         *self._gateway_flags()],
             self.gateway_address, self.log_dir / "gateway.log"))

@@ -38,6 +38,11 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"].full
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # gRPC's default reconnect backoff (1 s, growing 1.6x) dominated the time to notice a
+    # restarted backend; a restart is the common case here, so retry the connection sooner.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
 
@@ -66,6 +71,8 @@ class Gateway:
                 SERVICE_NAME, method_handlers(servicer)),)),
             [SERVICE_NAME],
         )
+        # Health follows the backends: NOT_SERVING while the runner or block service is down.
+        self.engine.set_health_listener(self.service.set_serving)
         return self.service
 
     def stop(self) -> None:

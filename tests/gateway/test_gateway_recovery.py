@@ -35,7 +35,9 @@ def test_block_service_restart_mid_stream_is_recomputed(tokenizer: Tokenizer,
 
 
 def test_block_service_gone_for_good_ends_requests_with_unavailable(
-        tokenizer: Tokenizer, tmp_path: Path) -> None:
+        tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Give up after 3 s instead of the default 30 s that rides out a restart.
+    monkeypatch.setenv("PAGEWIRE_GATEWAY_BACKEND_DOWN_TIMEOUT_S", "3")
     blocks = ServiceProcess("block_service").start(tmp_path).wait_serving(60)
     stack = Stack(tokenizer, blocks, num_blocks=64, epoch=33)
     try:

@@ -37,8 +37,6 @@ def test_serve_binds_every_service_to_loopback_by_default(
         "block_service": "127.0.0.1", "gpu_runner": "127.0.0.1", "gateway": "127.0.0.1"}
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/launcher.py starts the block service and the "
-                   "runner on the public --host too (issue 9 report)")
 def test_serve_keeps_internal_services_on_loopback_when_the_gateway_is_public(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hosts = child_hosts("0.0.0.0", tmp_path, monkeypatch)
