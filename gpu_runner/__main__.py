@@ -1,0 +1,80 @@
+"""`python -m gpu_runner --model PATH|default --port N ...`: serve a model over gRPC.
+
+Health is NOT_SERVING (and RPCs answer UNAVAILABLE) until the model is loaded and the KV
+cache allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from common.log import setup_logging
+from common.server import add_server_arguments, server_options_from_args, start_server
+from gpu_runner.servicer import SERVICE_NAME, RunnerServicer
+from protos import runner_pb2_grpc
+
+DEFAULT_PORT = 50052
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m gpu_runner", description=__doc__)
+    add_server_arguments(parser, "runner", DEFAULT_PORT)
+    env = os.environ.get
+    parser.add_argument("--model", default=env("PAGEWIRE_RUNNER_MODEL", "default"),
+                        help="Hugging Face folder, .gguf file, or 'default' (SmolLM2-135M)")
+    parser.add_argument("--device", default=env("PAGEWIRE_RUNNER_DEVICE", "cpu"))
+    parser.add_argument("--dtype", default=env("PAGEWIRE_RUNNER_DTYPE") or None,
+                        choices=["float32", "bfloat16", "float16"],
+                        help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--block-size", type=int, default=int(env("PAGEWIRE_RUNNER_BLOCK_SIZE",
+                                                                  "16")))
+    parser.add_argument("--kv-cache-memory", type=int,
+                        default=_optional_int(env("PAGEWIRE_RUNNER_KV_CACHE_MEMORY")),
+                        help="KV cache bytes (default: 1 GiB on CPU; on CUDA from "
+                             "--gpu-memory-utilization)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-model-len", type=int,
+                        default=_optional_int(env("PAGEWIRE_RUNNER_MAX_MODEL_LEN")))
+    parser.add_argument("--num-threads", type=int, default=None, help="CPU threads (all cores)")
+    parser.add_argument("--attention-backend", default="torch", choices=["torch"])
+    return parser.parse_args(argv)
+
+
+def _optional_int(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    log = setup_logging("gpu_runner")
+    args = parse_args(argv)
+    from common.server import run_until_signal
+    from gpu_runner.runner import ModelRunner, RunnerOptions
+
+    servicer = RunnerServicer()
+    service = start_server(
+        server_options_from_args(args),
+        lambda server: runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+        serving=False,
+    )
+    try:
+        runner = ModelRunner(RunnerOptions(
+            model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len, num_threads=args.num_threads,
+        ))
+    except (OSError, ValueError) as error:
+        log.error("cannot load the model: %s", error)
+        service.stop(0)
+        return 2
+    servicer.set_runner(runner)
+    service.set_serving(True)
+    log.info("serving %s on port %d (epoch %d)", runner.folder.name, service.port, runner.epoch)
+    return run_until_signal(service)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

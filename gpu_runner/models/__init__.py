@@ -1,0 +1,1 @@
+"""Model implementations written for paged attention, registered by architecture name."""

@@ -1,0 +1,130 @@
+"""The Llama family decoder (Llama 2/3, SmolLM2, Qwen2 with q/k/v bias, Qwen3 with q/k norm),
+written for paged attention: tokens of many sequences are packed into one [tokens, hidden]
+batch and attention reads and writes the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_runner.attention.metadata import AttentionMetadata
+from gpu_runner.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
+from gpu_runner.config import ModelConfig
+from gpu_runner.layers.activation import silu_and_mul
+from gpu_runner.layers.embedding import Embedding, LMHead
+from gpu_runner.layers.linear import Linear, MergedLinear
+from gpu_runner.layers.rms_norm import RMSNorm
+from gpu_runner.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, optional q/k RMSNorm, rotary, paged attention, output."""
+
+    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [config.q_size, config.kv_size, config.kv_size],
+            bias=config.attention_bias,
+        )
+        self.o_proj = Linear(config.q_size, config.hidden_size)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.backend = backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        layer_cache: torch.Tensor,
+        plan: TorchAttentionPlan,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = self.qkv_proj.split(qkv)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = apply_rotary(self.q_norm(q.view(tokens, self.num_heads, self.head_dim)),
+                             *cos_sin)
+            k = apply_rotary(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)),
+                             *cos_sin)
+        else:
+            # q and k sit side by side in the fused output: rotate both in one pass.
+            heads = self.num_heads + self.num_kv_heads
+            qk = apply_rotary(qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim),
+                              *cos_sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        return self.o_proj(self.backend.forward(q, k, v, layer_cache, plan))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, [config.intermediate_size, config.intermediate_size]
+        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        layer_cache: torch.Tensor,
+        plan: TorchAttentionPlan,
+    ) -> torch.Tensor:
+        # In place: `hidden` is this forward's own buffer (inference only).
+        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos_sin, layer_cache, plan))
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm, and a head computing only the logits asked for.
+
+    Parameter names follow Hugging Face's except the fused `qkv_proj` and `gate_up_proj`
+    (the loader fuses them)."""
+
+    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope
+        )
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [tokens]
+        kv_cache: torch.Tensor,  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Runs every new token through the model; returns logits [sampled seqs, vocab]
+        for the tokens at meta.logits_indices only."""
+        plan = self.backend.plan(meta)
+        cos_sin = self.rotary.cos_sin(meta.positions)
+        hidden = self.embed_tokens(token_ids)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos_sin, kv_cache[index], plan)
+        last = hidden[meta.logits_indices]
+        return self.lm_head(self.norm(last)).float()

@@ -1,0 +1,240 @@
+"""ModelRunner: the model and its KV cache, executing validated batches.
+
+execute(batch): validate everything (nothing written on failure) -> block copies -> one
+forward over every new token, computing logits only where a sequence samples -> sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.model_store import resolve_model
+from gpu_runner.batch import BatchLimits, ExecuteBatch, build_inputs, validate_batch
+from gpu_runner.kv_cache import (
+    CacheShape,
+    allocate_cache,
+    copy_blocks,
+    cuda_budget_bytes,
+    num_blocks_for_budget,
+)
+from gpu_runner.loader import load_model
+from gpu_runner.sampler import SamplerOutput, sample
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How to build a runner (the flags of `python -m gpu_runner`)."""
+
+    model: str | None = None  # folder, .gguf file, or None/"default"
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: 1 GiB on CPU, utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_threads: int | None = None  # CPU threads; None: every core
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What Info reports."""
+
+    model: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    epoch: int
+    attention_backend: str
+
+
+@dataclass(frozen=True)
+class ExecuteResult:
+    """One entry per sampled sequence, in batch order (numpy on the host)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None
+    top_counts: np.ndarray | None
+    top_token_ids: np.ndarray | None  # [sampled, k_max]
+    top_logprobs: np.ndarray | None
+    forward_ms: float
+    sample_ms: float
+
+
+def new_epoch() -> int:
+    """A random non-zero uint64."""
+    return secrets.randbits(64) or 1
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the cache, executes batches. Not thread-safe:
+    the servicer serialises calls."""
+
+    def __init__(self, options: RunnerOptions) -> None:
+        self.options = options
+        self.device = torch.device(options.device)
+        self.dtype = _resolve_dtype(options.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(options.num_threads or os.cpu_count() or 1)
+        self.folder = resolve_model(options.model)
+        loaded = load_model(self.folder, self.device, self.dtype)
+        self.model = loaded.model
+        self.config = loaded.config
+        self.block_size = options.block_size
+        self.max_model_len = min(
+            options.max_model_len or self.config.max_position_embeddings,
+            self.config.max_position_embeddings,
+        )
+        self.num_blocks = self._size_cache()
+        shape = CacheShape(self.config.num_layers, self.num_blocks, self.block_size,
+                           self.config.num_kv_heads, self.config.head_dim)
+        self.kv_cache = allocate_cache(shape, self.dtype, self.device)
+        self.limits = BatchLimits(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        self.epoch = new_epoch()
+        log.info("model %s (%s) on %s/%s: %d blocks of %d tokens, max_model_len %d",
+                 self.folder.name, self.config.architecture, self.device, _dtype_name(self.dtype),
+                 self.num_blocks, self.block_size, self.max_model_len)
+
+    def _size_cache(self) -> int:
+        budget = self.options.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                self._profile_forward()
+                budget = cuda_budget_bytes(self.device, self.options.gpu_memory_utilization)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        return num_blocks_for_budget(self.config, self.block_size, self.dtype, budget,
+                                     self.max_model_len)
+
+    def _profile_forward(self) -> None:
+        """A forward over one max_model_len prompt, to measure peak activation memory."""
+        blocks = -(-self.max_model_len // self.block_size)
+        profile_cache = allocate_cache(
+            CacheShape(self.config.num_layers, blocks, self.block_size,
+                       self.config.num_kv_heads, self.config.head_dim),
+            self.dtype, self.device)
+        length = self.max_model_len
+        batch = greedy_prompt_batch(length, self.block_size)
+        inputs = build_inputs(batch, self.block_size, self.device)
+        with torch.inference_mode():
+            self.model(inputs.token_ids, profile_cache, inputs.meta)
+        del profile_cache
+        torch.cuda.synchronize(self.device)
+
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(
+            model=self.folder.name,
+            architecture=self.config.architecture,
+            vocab_size=self.config.vocab_size,
+            eos_token_ids=self.config.eos_token_ids,
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            dtype=_dtype_name(self.dtype),
+            device=str(self.device),
+            epoch=self.epoch,
+            attention_backend=self.model.backend.name,
+        )
+
+    def execute(self, batch: ExecuteBatch) -> ExecuteResult:
+        """Validates (BatchError, cache untouched), copies, runs the forward, samples."""
+        validate_batch(batch, self.limits)
+        start = time.perf_counter()
+        inputs = build_inputs(batch, self.block_size, self.device)
+        with torch.inference_mode():
+            copy_blocks(self.kv_cache, inputs.copy_src, inputs.copy_dst)
+            logits = self.model(inputs.token_ids, self.kv_cache, inputs.meta)
+            forward_done = time.perf_counter()
+            output = sample(logits, inputs.sampling) if inputs.sampling is not None else None
+        sample_done = time.perf_counter()
+        counts = inputs.sampling.num_logprobs if inputs.sampling is not None else None
+        return _result(output, counts, forward_done - start, sample_done - forward_done)
+
+    def forward_logits(self, batch: ExecuteBatch) -> torch.Tensor:
+        """Like execute but returns the logits of the sampling positions (tests, debugging)."""
+        validate_batch(batch, self.limits)
+        inputs = build_inputs(batch, self.block_size, self.device)
+        with torch.inference_mode():
+            copy_blocks(self.kv_cache, inputs.copy_src, inputs.copy_dst)
+            return self.model(inputs.token_ids, self.kv_cache, inputs.meta)
+
+
+def _result(
+    output: SamplerOutput | None,
+    num_logprobs: torch.Tensor | None,
+    forward_s: float,
+    sample_s: float,
+) -> ExecuteResult:
+    if output is None:
+        empty = np.zeros(0, dtype=np.int64)
+        return ExecuteResult(empty, None, None, None, None, forward_s * 1e3, sample_s * 1e3)
+    logprobs = top_ids = top_logprobs = top_counts = None
+    if output.logprobs is not None:
+        logprobs = output.logprobs.cpu().numpy()
+    if output.top_token_ids is not None and output.top_logprobs is not None:
+        top_ids = output.top_token_ids.cpu().numpy()
+        top_logprobs = output.top_logprobs.cpu().numpy()
+    if num_logprobs is not None:
+        top_counts = num_logprobs.cpu().numpy()
+    return ExecuteResult(
+        token_ids=output.token_ids.cpu().numpy(),
+        logprobs=logprobs,
+        top_counts=top_counts,
+        top_token_ids=top_ids,
+        top_logprobs=top_logprobs,
+        forward_ms=forward_s * 1e3,
+        sample_ms=sample_s * 1e3,
+    )
+
+
+def greedy_prompt_batch(length: int, block_size: int) -> ExecuteBatch:
+    """One prompt of `length` zeros in blocks 0.. (profiling and benchmarks)."""
+    blocks = -(-length // block_size)
+    return ExecuteBatch(
+        num_new_tokens=np.array([length]),
+        start_positions=np.array([0]),
+        token_ids=np.zeros(length, dtype=np.int64),
+        slot_mapping=np.arange(length, dtype=np.int64),
+        block_table_lens=np.array([blocks]),
+        block_tables=np.arange(blocks, dtype=np.int64),
+        do_sample=np.array([True]),
+        temperatures=np.zeros(1, dtype=np.float32),
+        top_ps=np.ones(1, dtype=np.float32),
+        top_ks=np.zeros(1, dtype=np.int64),
+        min_ps=np.zeros(1, dtype=np.float32),
+        seeds=np.zeros(1, dtype=np.uint64),
+    )
+
+
+def _resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        # bfloat16 attention is several times slower on CPUs: keep float32 there.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported ({', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

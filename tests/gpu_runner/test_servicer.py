@@ -1,0 +1,163 @@
+"""RunnerService over real gRPC on a loopback port: Info, parity through Execute, epochs,
+validation status codes, retries; and `python -m gpu_runner` as a process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+
+from common.server import ServerOptions, start_server
+from gpu_runner.batch import ExecuteBatch
+from gpu_runner.runner import ModelRunner
+from gpu_runner.servicer import SERVICE_NAME, RunnerServicer
+from protos import runner_pb2, runner_pb2_grpc
+from tests.gpu_runner.conftest import make_runner
+from tests.gpu_runner.test_parity import STEPS, TINY_LENGTHS, expected_tokens, random_prompts
+from tests.helpers.paged_driver import PagedDriver, batch_to_proto
+from tests.helpers.services import ServiceProcess, health_status
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dirs: dict[str, Path]) -> ModelRunner:
+    return make_runner(tiny_model_dirs["qwen3"], block_size=16, cache_bytes=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def stub(runner: ModelRunner) -> Iterator[runner_pb2_grpc.RunnerServiceStub]:
+    servicer = RunnerServicer(runner)
+    service = start_server(
+        ServerOptions(port=0),
+        lambda server: runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    yield runner_pb2_grpc.RunnerServiceStub(channel)
+    channel.close()
+    service.stop(0)
+
+
+def grpc_driver(stub: runner_pb2_grpc.RunnerServiceStub, info: runner_pb2.InfoResponse,
+                client_id: str = "") -> PagedDriver:
+    steps = itertools.count(1)
+
+    def execute(batch: ExecuteBatch) -> np.ndarray:
+        batch.client_id, batch.step_id = client_id, next(steps)
+        return np.asarray(stub.Execute(batch_to_proto(batch), timeout=60).token_ids)
+
+    driver = PagedDriver(execute, info.block_size, info.num_blocks)
+    driver.epoch = info.epoch
+    return driver
+
+
+def test_info_describes_the_runner(stub: runner_pb2_grpc.RunnerServiceStub,
+                                   runner: ModelRunner) -> None:
+    info = stub.Info(runner_pb2.InfoRequest())
+    assert info.architecture == "Qwen3ForCausalLM"
+    assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2]
+    assert info.num_blocks == runner.num_blocks > 0 and info.block_size == 16
+    assert info.dtype == "float32" and info.device == "cpu"
+    assert info.epoch != 0 and info.attention_backend == "torch"
+
+
+def test_parity_through_execute(stub: runner_pb2_grpc.RunnerServiceStub,
+                                tiny_model_dirs: dict[str, Path]) -> None:
+    info = stub.Info(runner_pb2.InfoRequest())
+    prompts = random_prompts(TINY_LENGTHS, seed=7)
+    seqs = grpc_driver(stub, info).run_staggered(prompts, STEPS)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.generated == expected_tokens(tiny_model_dirs["qwen3"], prompt)
+
+
+def _one_prompt_request(info: runner_pb2.InfoResponse) -> runner_pb2.ExecuteRequest:
+    driver = PagedDriver(lambda batch: np.zeros(0), info.block_size, info.num_blocks)
+    driver.epoch = info.epoch
+    batch, _ = driver.build([driver.add([5, 6, 7, 8, 9])])
+    return batch_to_proto(batch)
+
+
+def test_wrong_epoch_is_failed_precondition(stub: runner_pb2_grpc.RunnerServiceStub,
+                                            runner: ModelRunner) -> None:
+    info = stub.Info(runner_pb2.InfoRequest())
+    request = _one_prompt_request(info)
+    request.epoch = info.epoch ^ 1
+    before = runner.kv_cache.clone()
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Execute(request)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "epoch" in error.value.details()
+    assert torch.equal(runner.kv_cache, before)
+
+
+def test_malformed_batch_is_invalid_argument(stub: runner_pb2_grpc.RunnerServiceStub,
+                                             runner: ModelRunner) -> None:
+    info = stub.Info(runner_pb2.InfoRequest())
+    request = _one_prompt_request(info)
+    request.token_ids[0] = info.vocab_size
+    before = runner.kv_cache.clone()
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Execute(request)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids[0]" in error.value.details()
+    assert torch.equal(runner.kv_cache, before)
+
+
+def test_retried_step_returns_the_first_answer(stub: runner_pb2_grpc.RunnerServiceStub,
+                                               runner: ModelRunner) -> None:
+    info = stub.Info(runner_pb2.InfoRequest())
+    request = _one_prompt_request(info)
+    request.client_id, request.step_id = "retry-test", 10
+    first = stub.Execute(request)
+    # Same (client, step) with other contents: not executed, the first answer comes back.
+    changed = runner_pb2.ExecuteRequest()
+    changed.CopyFrom(request)
+    changed.token_ids[:] = [11, 12, 13, 14, 15]
+    before = runner.kv_cache.clone()
+    again = stub.Execute(changed)
+    assert list(again.token_ids) == list(first.token_ids)
+    assert torch.equal(runner.kv_cache, before)
+    changed.step_id = 9
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Execute(changed)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_loading_runner_is_unavailable() -> None:
+    servicer = RunnerServicer(None)
+    service = start_server(
+        ServerOptions(port=0),
+        lambda server: runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server),
+        [SERVICE_NAME], serving=False,
+    )
+    try:
+        address = f"127.0.0.1:{service.port}"
+        assert health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as error:
+            runner_pb2_grpc.RunnerServiceStub(channel).Info(runner_pb2.InfoRequest())
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        service.stop(0)
+
+
+def test_main_serves_a_model_folder(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    process = ServiceProcess("gpu_runner", [
+        "--model", str(tiny_model_dirs["qwen2"]), "--kv-cache-memory", str(4 << 20),
+        "--max-model-len", "128", "--block-size", "32",
+    ]).start(tmp_path)
+    try:
+        process.wait_serving(timeout_s=120)
+        with grpc.insecure_channel(process.address) as channel:
+            stub = runner_pb2_grpc.RunnerServiceStub(channel)
+            info = stub.Info(runner_pb2.InfoRequest())
+            assert info.architecture == "Qwen2ForCausalLM" and info.block_size == 32
+            assert info.max_model_len == 128
+            reply = stub.Execute(_one_prompt_request(info))
+            assert len(reply.token_ids) == 1 and reply.epoch == info.epoch
+    finally:
+        assert process.terminate() == 0
