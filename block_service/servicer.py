@@ -7,14 +7,13 @@ core (BlockServiceError) become the gRPC status of the same name.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from block_service.core import BlockServiceCore
 from block_service.ops import STATUS_OK, BlockServiceError, PoolInfo, StepResult
+from common.handlers import lenient_handlers
 from protos import block_pb2, block_pb2_grpc
 
 SERVICE = block_pb2.DESCRIPTOR.services_by_name["BlockService"]
@@ -145,51 +144,9 @@ class BlockServicer(block_pb2_grpc.BlockServiceServicer):
         return block_pb2.GetStatsResponse(stats=block_pb2.Stats(**vars(stats)))
 
 
-@dataclass(frozen=True)
-class Malformed:
-    """A request whose bytes did not parse (gRPC itself would answer INTERNAL for it)."""
-
-    message_name: str
-    error: str
-
-
-def lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | Malformed]:
-    """A request deserializer that turns a parse failure into a Malformed value."""
-    def parse(data: bytes) -> Message | Malformed:
-        try:
-            return message_class.FromString(data)
-        except DecodeError as error:  # bad wire format or invalid UTF-8 in a string field
-            return Malformed(message_class.DESCRIPTOR.name, str(error) or "unparsable")
-    return parse
-
-
-def rejecting_malformed(method: Callable[[Any, grpc.ServicerContext], Message]
-                        ) -> Callable[[Any, grpc.ServicerContext], Message]:
-    """`method`, answering INVALID_ARGUMENT to a request that did not parse."""
-    def handle(request: Any, context: grpc.ServicerContext) -> Message:
-        if isinstance(request, Malformed):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"malformed {request.message_name}: {request.error}")
-        return method(request, context)
-    return handle
-
-
-def method_handlers(servicer: BlockServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """Every BlockService method, with requests parsed by `lenient_parser`."""
-    handlers = {}
-    for method in SERVICE.methods:
-        request_class = getattr(block_pb2, method.input_type.name)
-        response_class = getattr(block_pb2, method.output_type.name)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            rejecting_malformed(getattr(servicer, method.name)),
-            request_deserializer=lenient_parser(request_class),
-            response_serializer=response_class.SerializeToString)
-    return handlers
-
-
 def register(core: BlockServiceCore) -> Callable[[grpc.Server], None]:
     """The `register` callback for common.server.start_server."""
     def add(server: grpc.Server) -> None:
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            SERVICE_NAME, method_handlers(BlockServicer(core))),))
+        server.add_generic_rpc_handlers(
+            (lenient_handlers(BlockServicer(core), SERVICE, block_pb2),))
     return add

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
+from common.handlers import lenient_handlers
 from common.log import setup_logging
 from common.security import ClientTls, open_channel
 from common.server import (
@@ -34,7 +32,8 @@ from protos import gateway_pb2
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+SERVICE_NAME = SERVICE.full_name
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -67,8 +66,8 @@ class Gateway:
         self.servicer = servicer
         self.service = start_server(
             self._options,
-            lambda server: server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-                SERVICE_NAME, method_handlers(servicer)),)),
+            lambda server: server.add_generic_rpc_handlers(
+                (lenient_handlers(servicer, SERVICE, gateway_pb2),)),
             [SERVICE_NAME],
         )
         # Health follows the backends: NOT_SERVING while the runner or block service is down.
@@ -82,59 +81,6 @@ class Gateway:
             self.service.stop()
         self._block_channel.close()
         self._runner_channel.close()
-
-
-@dataclass(frozen=True)
-class Malformed:
-    """A request whose bytes did not parse (gRPC itself would answer INTERNAL for it)."""
-
-    message_name: str
-    error: str
-
-
-def lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | Malformed]:
-    """A request deserializer that turns a parse failure into a Malformed value."""
-    def parse(data: bytes) -> Message | Malformed:
-        try:
-            return message_class.FromString(data)
-        except DecodeError as error:  # bad wire format or invalid UTF-8 in a string field
-            return Malformed(message_class.DESCRIPTOR.name, str(error) or "unparsable")
-    return parse
-
-
-def _refuse_malformed(request: Any, context: grpc.ServicerContext) -> None:
-    if isinstance(request, Malformed):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"malformed {request.message_name}: {request.error}")
-
-
-def method_handlers(servicer: GenerationServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """The GenerationService methods, answering INVALID_ARGUMENT to requests that don't parse."""
-    def generate(request: Any, context: grpc.ServicerContext
-                 ) -> Iterator[gateway_pb2.GenerateResponse]:
-        _refuse_malformed(request, context)
-        yield from servicer.Generate(request, context)
-
-    def unary(method: Callable[[Any, grpc.ServicerContext], Message]
-              ) -> Callable[[Any, grpc.ServicerContext], Message]:
-        def handle(request: Any, context: grpc.ServicerContext) -> Message:
-            _refuse_malformed(request, context)
-            return method(request, context)
-        return handle
-
-    return {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            generate, request_deserializer=lenient_parser(gateway_pb2.GenerateRequest),
-            response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            unary(servicer.Tokenize),
-            request_deserializer=lenient_parser(gateway_pb2.TokenizeRequest),
-            response_serializer=gateway_pb2.TokenizeResponse.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            unary(servicer.GetModelInfo),
-            request_deserializer=lenient_parser(gateway_pb2.GetModelInfoRequest),
-            response_serializer=gateway_pb2.GetModelInfoResponse.SerializeToString),
-    }
 
 
 def _backend_channel(config: GatewayConfig, address: str) -> grpc.Channel:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from common.log import setup_logging
 from common.server import add_server_arguments, server_options_from_args, start_server
-from gpu_runner.servicer import SERVICE_NAME, RunnerServicer
-from protos import runner_pb2_grpc
+from gpu_runner.attention.selection import BACKEND_CHOICES
+from gpu_runner.recorder import BatchRecorder
+from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
 
 DEFAULT_PORT = 50052
 
@@ -38,7 +40,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int,
                         default=_optional_int(env("PAGEWIRE_RUNNER_MAX_MODEL_LEN")))
     parser.add_argument("--num-threads", type=int, default=None, help="CPU threads (all cores)")
-    parser.add_argument("--attention-backend", default="torch", choices=["torch"])
+    parser.add_argument("--attention-backend",
+                        default=env("PAGEWIRE_RUNNER_ATTENTION_BACKEND", "auto"),
+                        choices=list(BACKEND_CHOICES),
+                        help="auto: flash_attn if it imports on CUDA, else triton on CUDA, "
+                             "else torch")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        default=int(env("PAGEWIRE_RUNNER_TENSOR_PARALLEL_SIZE", "1")),
+                        help="split the model over N processes (N GPUs; gloo on CPU)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs for decode batches")
+    parser.add_argument("--record-batches", type=Path, default=None,
+                        help="append every executed ExecuteRequest to this file (benchmarks)")
     return parser.parse_args(argv)
 
 
@@ -52,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     from common.server import run_until_signal
     from gpu_runner.runner import ModelRunner, RunnerOptions
 
-    servicer = RunnerServicer()
+    recorder = BatchRecorder(args.record_batches) if args.record_batches else None
+    servicer = RunnerServicer(recorder=recorder)
     service = start_server(
         server_options_from_args(args),
-        lambda server: runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server),
+        lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
         [SERVICE_NAME],
         serving=False,
     )
@@ -65,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len, num_threads=args.num_threads,
+            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
         ))
     except (OSError, ValueError) as error:
         log.error("cannot load the model: %s", error)
@@ -72,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     servicer.set_runner(runner)
     service.set_serving(True)
+    # A dead tensor-parallel worker: stop serving (Execute answers UNAVAILABLE).
+    runner.on_failure(lambda _reason: service.set_serving(False))
     log.info("serving %s on port %d (epoch %d)", runner.folder.name, service.port, runner.epoch)
-    return run_until_signal(service)
+    return run_until_signal(service, on_stop=runner.close)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,17 @@ from collections import OrderedDict
 import grpc
 import numpy as np
 
+from common.handlers import lenient_handlers
 from gpu_runner.batch import BatchError, ExecuteBatch
+from gpu_runner.distributed import WorkerLostError
+from gpu_runner.recorder import BatchRecorder
 from gpu_runner.runner import ExecuteResult, ModelRunner
 from protos import runner_pb2, runner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"].full_name
+SERVICE = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"]
+SERVICE_NAME = SERVICE.full_name
 MAX_REMEMBERED_CLIENTS = 1024
 
 
@@ -59,10 +63,12 @@ class RetryCache:
 class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     """Serves Info and Execute for the runner set with set_runner (None while loading)."""
 
-    def __init__(self, runner: ModelRunner | None = None) -> None:
+    def __init__(self, runner: ModelRunner | None = None,
+                 recorder: BatchRecorder | None = None) -> None:
         self._runner = runner
         self._lock = threading.Lock()
         self._retries = RetryCache()
+        self._recorder = recorder
 
     def set_runner(self, runner: ModelRunner) -> None:
         self._runner = runner
@@ -88,7 +94,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             device=info.device,
             epoch=info.epoch,
             attention_backend=info.attention_backend,
-            tensor_parallel_size=1,
+            tensor_parallel_size=info.tensor_parallel_size,
         )
 
     def Execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
@@ -112,12 +118,16 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                 result = runner.execute(ExecuteBatch.from_proto(request))
             except BatchError as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except WorkerLostError as error:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"runner lost a worker: {error}")
             except (RuntimeError, MemoryError) as error:
                 # E.g. out of memory in the forward: report it, keep serving.
                 log.exception("execute failed")
                 context.abort(grpc.StatusCode.INTERNAL, f"execute failed: {error}")
             answer = to_response(result, runner.epoch, received)
             self._retries.store(request.client_id, request.step_id, answer)
+            if self._recorder is not None:
+                self._recorder.write(request)
             return answer
 
 
@@ -140,3 +150,8 @@ def to_response(result: ExecuteResult, epoch: int, received: float) -> runner_pb
             response.top_logprobs.extend(result.top_logprobs[keep].tolist())
     response.total_ms = (time.perf_counter() - received) * 1e3
     return response
+
+
+def register_handlers(servicer: RunnerServicer) -> grpc.GenericRpcHandler:
+    """The RunnerService methods; a request that does not parse gets INVALID_ARGUMENT."""
+    return lenient_handlers(servicer, SERVICE, runner_pb2)

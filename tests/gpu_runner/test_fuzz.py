@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from common.server import ServerOptions, start_server
 from gpu_runner.runner import ModelRunner
-from gpu_runner.servicer import SERVICE_NAME, RunnerServicer
+from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
 from protos import runner_pb2, runner_pb2_grpc
 from tests.gpu_runner.conftest import make_runner
 from tests.helpers.paged_driver import PagedDriver, batch_to_proto
@@ -79,7 +79,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     servicer = RunnerServicer(runner)
     service = start_server(
         ServerOptions(port=0),
-        lambda server: runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server),
+        lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
         [SERVICE_NAME])
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = runner_pb2_grpc.RunnerServiceStub(channel)
@@ -233,8 +233,6 @@ def test_raw_bytes_as_requests(served: Served, method: str, data: bytes) -> None
     call_keeps_kv_on_refusal(served, lambda: call(data, timeout=60))  # type: ignore[operator]
 
 
-@pytest.mark.xfail(strict=True, reason="gpu_runner registers the stock handlers: a request "
-                   "that does not parse is INTERNAL, not INVALID_ARGUMENT (see issue 9 report)")
 @pytest.mark.parametrize("method", ["Execute", "Info"])
 def test_unparsable_bytes_are_invalid_argument(served: Served, method: str) -> None:
     call = _raw(served, method)

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from common.server import ServerOptions, start_server
 from gpu_runner.batch import ExecuteBatch
 from gpu_runner.runner import ModelRunner
-from gpu_runner.servicer import SERVICE_NAME, RunnerServicer
+from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
 from protos import runner_pb2, runner_pb2_grpc
 from tests.gpu_runner.conftest import make_runner
 from tests.gpu_runner.test_parity import STEPS, TINY_LENGTHS, expected_tokens, random_prompts
@@ -34,7 +34,7 @@ def stub(runner: ModelRunner) -> Iterator[runner_pb2_grpc.RunnerServiceStub]:
     servicer = RunnerServicer(runner)
     service = start_server(
         ServerOptions(port=0),
-        lambda server: runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server),
+        lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
         [SERVICE_NAME],
     )
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
@@ -132,7 +132,7 @@ def test_loading_runner_is_unavailable() -> None:
     servicer = RunnerServicer(None)
     service = start_server(
         ServerOptions(port=0),
-        lambda server: runner_pb2_grpc.add_RunnerServiceServicer_to_server(servicer, server),
+        lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
         [SERVICE_NAME], serving=False,
     )
     try:
