@@ -1,0 +1,29 @@
+"""The ceiling: the runner driven directly, with no services in between.
+
+During pagewire's W1 run the runner records every ExecuteRequest it executes
+(`--record-batches FILE`); replaying them here in-process through the same ModelRunner gives
+the time the model itself needs for exactly those batch shapes, so
+efficiency = pagewire end-to-end tokens/s ÷ ceiling tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from gpu_runner.batch import ExecuteBatch
+from gpu_runner.recorder import read_recorded
+from gpu_runner.runner import ModelRunner, RunnerOptions
+
+
+def replay(path: Path, options: RunnerOptions) -> tuple[float, int]:
+    """Executes the recorded batches; returns (seconds, sampled tokens)."""
+    runner = ModelRunner(options)
+    batches = [ExecuteBatch.from_proto(request) for request in read_recorded(path)]
+    if batches:
+        runner.execute(batches[0])  # warm-up; writing the same K/V again changes nothing
+    sampled = 0
+    start = time.perf_counter()
+    for batch in batches:
+        sampled += len(runner.execute(batch).token_ids)
+    return time.perf_counter() - start, sampled

@@ -1,0 +1,1 @@
+"""Benchmark peers: other engines run on the same model and workload as pagewire."""

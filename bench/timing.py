@@ -1,0 +1,108 @@
+"""Client-side timings of streamed requests and their summaries."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bench.workloads import BenchRequest
+from gateway.client import PagewireClient
+
+
+@dataclass
+class RequestTiming:
+    """When one request was sent, got its first token, and ended (perf_counter seconds)."""
+
+    sent: float
+    first_token: float = 0.0
+    done: float = 0.0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.sent
+
+    @property
+    def latency(self) -> float:
+        return self.done - self.sent
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first."""
+        return (self.done - self.first_token) / max(self.output_tokens - 1, 1)
+
+
+@dataclass
+class RunSummary:
+    """What one workload run measured."""
+
+    seconds: float
+    timings: list[RequestTiming] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(t.output_tokens for t in self.timings)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def errors(self) -> int:
+        return sum(1 for t in self.timings if t.error)
+
+    def percentile(self, attribute: str, q: float) -> float:
+        values = [getattr(t, attribute) for t in self.timings if not t.error]
+        return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _stream_one(client: PagewireClient, request: BenchRequest, timing: RequestTiming) -> None:
+    try:
+        stream = client.generate(
+            token_ids=request.prompt_token_ids,
+            max_tokens=request.max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            cache_salt=request.cache_salt,
+        )
+        for message in stream:
+            count = sum(len(output.token_ids) for output in message.outputs)
+            if count and not timing.first_token:
+                timing.first_token = time.perf_counter()
+            timing.output_tokens += count
+            if message.HasField("usage"):
+                timing.cached_tokens = message.usage.cached_tokens
+    except Exception as error:  # a benchmark reports failures instead of stopping
+        timing.error = repr(error)
+    timing.done = time.perf_counter()
+
+
+def run_workload(
+    address: str, requests: Sequence[BenchRequest], progress: object | None = None
+) -> RunSummary:
+    """Sends every request at its arrival time (0 = at once) on its own stream and waits."""
+    timings: list[RequestTiming] = []
+    threads: list[threading.Thread] = []
+    with PagewireClient(address) as client:
+        start = time.perf_counter()
+        for request in requests:
+            delay = start + request.arrival_s - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            timing = RequestTiming(sent=time.perf_counter())
+            timings.append(timing)
+            thread = threading.Thread(target=_stream_one, args=(client, request, timing))
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+            if progress is not None:
+                progress.update(1)  # type: ignore[attr-defined]
+        seconds = time.perf_counter() - start
+    return RunSummary(seconds, timings)

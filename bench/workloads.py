@@ -1,0 +1,55 @@
+"""Seeded benchmark workloads: token-id prompts with fixed output lengths."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# Ordinary vocabulary ids of SmolLM2 (below are byte and special tokens).
+_TOKEN_LOW, _TOKEN_HIGH = 1000, 40000
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request: its prompt, its output length and (online) when it arrives."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0
+    cache_salt: str = ""
+
+
+def _tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(_TOKEN_LOW, _TOKEN_HIGH) for _ in range(count)]
+
+
+def offline_throughput(num_requests: int = 32, seed: int = 0) -> list[BenchRequest]:
+    """W1, nano-vLLM's benchmark scaled to a CPU: prompts of 64-256 random tokens, outputs of
+    32-128 tokens, all submitted at once."""
+    rng = random.Random(seed)
+    return [
+        BenchRequest(_tokens(rng, rng.randint(64, 256)), rng.randint(32, 128))
+        for _ in range(num_requests)
+    ]
+
+
+def shared_prefix(
+    num_requests: int = 64, prefix_len: int = 512, question_len: int = 32, seed: int = 1
+) -> list[BenchRequest]:
+    """W2: one shared system prompt followed by a unique question; 32 output tokens each."""
+    rng = random.Random(seed)
+    prefix = _tokens(rng, prefix_len)
+    return [BenchRequest(prefix + _tokens(rng, question_len), 32) for _ in range(num_requests)]
+
+
+def online(rate_per_s: float, duration_s: float, seed: int = 2) -> list[BenchRequest]:
+    """W3: Poisson arrivals at `rate_per_s` for `duration_s`; prompts 64-256, outputs 32-64."""
+    rng = random.Random(seed)
+    requests: list[BenchRequest] = []
+    clock = rng.expovariate(rate_per_s)
+    while clock < duration_s:
+        requests.append(
+            BenchRequest(_tokens(rng, rng.randint(64, 256)), rng.randint(32, 64), clock)
+        )
+        clock += rng.expovariate(rate_per_s)
+    return requests
