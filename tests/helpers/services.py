@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.launcher import free_port as free_port  # re-exported for the tests
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def health_status(address: str, timeout_s: float = 1.0) -> int | None:
