@@ -10,13 +10,36 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from common.model_store import resolve_model
+from gpu_runner.attention.selection import (
+    AttentionBackend,
+    choose_backend,
+    install_backend,
+    make_backend,
+)
 from gpu_runner.batch import BatchLimits, ExecuteBatch, build_inputs, validate_batch
+from gpu_runner.config import ModelConfig, load_model_config
+from gpu_runner.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs
+from gpu_runner.distributed import (
+    STOP,
+    TensorParallelGroup,
+    WorkerLostError,
+    WorkerSet,
+    build_sharded_model,
+    check_tensor_parallel,
+    free_port,
+    join_group,
+    rank_device,
+    serve_batches,
+    spawn_workers,
+    worker_main,
+)
 from gpu_runner.kv_cache import (
     CacheShape,
     allocate_cache,
@@ -25,6 +48,7 @@ from gpu_runner.kv_cache import (
     num_blocks_for_budget,
 )
 from gpu_runner.loader import load_model
+from gpu_runner.models.llama import LlamaForCausalLM
 from gpu_runner.sampler import SamplerOutput, sample
 
 log = logging.getLogger(__name__)
@@ -45,6 +69,12 @@ class RunnerOptions:
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # CPU threads; None: every core
+    attention_backend: str = "auto"  # auto | torch | triton | flash_attn
+    enforce_eager: bool = False  # True: no CUDA graphs
+    cuda_graph_max_batch: int = 256  # largest decode batch replayed from a CUDA graph
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0  # set by rank 0 for the workers it spawns
+    tensor_parallel_port: int = 0  # the process group's rendezvous port (workers)
 
 
 @dataclass(frozen=True)
@@ -62,6 +92,7 @@ class RunnerInfo:
     device: str
     epoch: int
     attention_backend: str
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -88,14 +119,19 @@ class ModelRunner:
 
     def __init__(self, options: RunnerOptions) -> None:
         self.options = options
-        self.device = torch.device(options.device)
+        self.rank = options.tensor_parallel_rank
+        self.device = rank_device(torch.device(options.device), self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(options.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(options.num_threads or os.cpu_count() or 1)
         self.folder = resolve_model(options.model)
-        loaded = load_model(self.folder, self.device, self.dtype)
-        self.model = loaded.model
-        self.config = loaded.config
+        self.backend_name = choose_backend(options.attention_backend, self.device,
+                                           options.block_size)
+        self.workers: WorkerSet | None = None
+        self.tp = self._join_tensor_parallel()
+        self.model, self.config, self.local_config = self._load()
         self.block_size = options.block_size
         self.max_model_len = min(
             options.max_model_len or self.config.max_position_embeddings,
@@ -103,7 +139,7 @@ class ModelRunner:
         )
         self.num_blocks = self._size_cache()
         shape = CacheShape(self.config.num_layers, self.num_blocks, self.block_size,
-                           self.config.num_kv_heads, self.config.head_dim)
+                           self.local_config.num_kv_heads, self.config.head_dim)
         self.kv_cache = allocate_cache(shape, self.dtype, self.device)
         self.limits = BatchLimits(
             num_blocks=self.num_blocks,
@@ -112,9 +148,44 @@ class ModelRunner:
             max_model_len=self.max_model_len,
         )
         self.epoch = new_epoch()
+        self.graphs = self._capture_graphs()
         log.info("model %s (%s) on %s/%s: %d blocks of %d tokens, max_model_len %d",
                  self.folder.name, self.config.architecture, self.device, _dtype_name(self.dtype),
                  self.num_blocks, self.block_size, self.max_model_len)
+
+    # ---- start-up ----
+
+    def _join_tensor_parallel(self) -> TensorParallelGroup | None:
+        """With --tensor-parallel-size > 1: rank 0 spawns the workers, then every rank joins
+        the process group (before loading, so a shape error is reported before spawning)."""
+        size = self.options.tensor_parallel_size
+        if size == 1:
+            return None
+        check_tensor_parallel(load_model_config(self.folder), size)
+        port = self.options.tensor_parallel_port
+        if self.rank == 0:
+            port = free_port()
+            worker_options = replace(self.options, model=str(self.folder))
+            self.workers = spawn_workers(worker_main, lambda rank: (worker_options, rank, port),
+                                         size)
+            self.workers.start_monitor()
+        return join_group(self.rank, size, port, torch.device(self.options.device))
+
+    def _load(self) -> tuple[LlamaForCausalLM, ModelConfig, ModelConfig]:
+        """(model with its attention backend, full config, this rank's shard config)."""
+        def backend_for(config: ModelConfig) -> AttentionBackend:
+            return make_backend(self.backend_name, config.num_heads, config.num_kv_heads,
+                                config.head_dim)
+
+        if self.tp is None:
+            loaded = load_model(self.folder, self.device, self.dtype)
+            model, config, local = loaded.model, loaded.config, loaded.config
+        else:
+            model, config, local = build_sharded_model(
+                self.folder, self.device, self.dtype, self.tp.shard, self.tp.compute_group,
+                backend_for)
+        install_backend(model, backend_for(local))
+        return model, config, local
 
     def _size_cache(self) -> int:
         budget = self.options.kv_cache_memory
@@ -124,15 +195,26 @@ class ModelRunner:
                 budget = cuda_budget_bytes(self.device, self.options.gpu_memory_utilization)
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return num_blocks_for_budget(self.config, self.block_size, self.dtype, budget,
-                                     self.max_model_len)
+        blocks = num_blocks_for_budget(self.local_config, self.block_size, self.dtype, budget,
+                                       self.max_model_len)
+        # Every rank must address the same blocks: agree on the smallest count.
+        return blocks if self.tp is None else self.tp.min_over_ranks(blocks)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if (self.options.enforce_eager or self.device.type != "cuda"
+                or self.backend_name not in GRAPH_BACKENDS):
+            return None
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, self.max_model_len,
+                              self.options.cuda_graph_max_batch)
+        graphs.capture()
+        return graphs
 
     def _profile_forward(self) -> None:
         """A forward over one max_model_len prompt, to measure peak activation memory."""
         blocks = -(-self.max_model_len // self.block_size)
         profile_cache = allocate_cache(
             CacheShape(self.config.num_layers, blocks, self.block_size,
-                       self.config.num_kv_heads, self.config.head_dim),
+                       self.local_config.num_kv_heads, self.config.head_dim),
             self.dtype, self.device)
         length = self.max_model_len
         batch = greedy_prompt_batch(length, self.block_size)
@@ -154,17 +236,76 @@ class ModelRunner:
             dtype=_dtype_name(self.dtype),
             device=str(self.device),
             epoch=self.epoch,
-            attention_backend=self.model.backend.name,
+            attention_backend=self.backend_name,
+            tensor_parallel_size=self.options.tensor_parallel_size,
         )
 
+    # ---- tensor-parallel workers (rank 0) ----
+
+    @property
+    def failure(self) -> str | None:
+        """Why the runner can no longer execute (a worker died), or None."""
+        return self.workers.failure if self.workers is not None else None
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Calls callback(reason) when a tensor-parallel worker dies (never with size 1)."""
+        if self.workers is not None:
+            self.workers.on_failure(callback)
+
+    def _check_workers(self) -> None:
+        if self.failure is not None:
+            raise WorkerLostError(self.failure)
+
+    def _send_to_workers(self, kind: str, batch: ExecuteBatch) -> None:
+        if self.tp is not None and self.rank == 0:
+            self.tp.broadcast((kind, batch))
+
+    def serve_worker(self) -> None:
+        """A worker's life: run what rank 0 broadcasts until it stops."""
+        assert self.tp is not None and self.rank > 0
+
+        def handle(kind: str, batch: ExecuteBatch) -> None:
+            if kind == "execute":
+                self._execute_local(batch)
+            else:
+                self._forward_logits_local(batch)
+
+        serve_batches(self.tp, handle)
+
+    def close(self) -> None:
+        """Stops the workers (rank 0) and leaves the process group."""
+        if self.tp is None:
+            return
+        if self.rank == 0 and self.workers is not None:
+            self.workers.stopping = True
+            if self.workers.failure is None:
+                try:
+                    self.tp.broadcast(STOP)
+                except RuntimeError as error:
+                    log.warning("could not tell the workers to stop: %s", error)
+            self.workers.stop()
+        self.tp.close()
+        self.tp = None
+
+    # ---- batches ----
+
     def execute(self, batch: ExecuteBatch) -> ExecuteResult:
-        """Validates (BatchError, cache untouched), copies, runs the forward, samples."""
+        """Validates (BatchError, cache untouched), copies, runs the forward, samples.
+        With tensor parallelism the workers run the same forward on their shards."""
+        self._check_workers()
         validate_batch(batch, self.limits)
+        self._send_to_workers("execute", batch)
+        return self._execute_local(batch)
+
+    def _execute_local(self, batch: ExecuteBatch) -> ExecuteResult:
         start = time.perf_counter()
         inputs = build_inputs(batch, self.block_size, self.device)
         with torch.inference_mode():
             copy_blocks(self.kv_cache, inputs.copy_src, inputs.copy_dst)
-            logits = self.model(inputs.token_ids, self.kv_cache, inputs.meta)
+            if self.graphs is not None and self.graphs.can_run(batch):
+                logits = self.graphs.run(batch)
+            else:
+                logits = self.model(inputs.token_ids, self.kv_cache, inputs.meta)
             forward_done = time.perf_counter()
             output = sample(logits, inputs.sampling) if inputs.sampling is not None else None
         sample_done = time.perf_counter()
@@ -173,7 +314,12 @@ class ModelRunner:
 
     def forward_logits(self, batch: ExecuteBatch) -> torch.Tensor:
         """Like execute but returns the logits of the sampling positions (tests, debugging)."""
+        self._check_workers()
         validate_batch(batch, self.limits)
+        self._send_to_workers("logits", batch)
+        return self._forward_logits_local(batch)
+
+    def _forward_logits_local(self, batch: ExecuteBatch) -> torch.Tensor:
         inputs = build_inputs(batch, self.block_size, self.device)
         with torch.inference_mode():
             copy_blocks(self.kv_cache, inputs.copy_src, inputs.copy_dst)

@@ -4,11 +4,13 @@ batch and attention reads and writes the paged KV cache."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from gpu_runner.attention.metadata import AttentionMetadata
-from gpu_runner.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
+from gpu_runner.attention.selection import AttentionBackend
 from gpu_runner.config import ModelConfig
 from gpu_runner.layers.activation import silu_and_mul
 from gpu_runner.layers.embedding import Embedding, LMHead
@@ -20,7 +22,7 @@ from gpu_runner.layers.rotary import RotaryEmbedding, apply_rotary
 class Attention(nn.Module):
     """Fused q/k/v projection, optional q/k RMSNorm, rotary, paged attention, output."""
 
-    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -39,7 +41,7 @@ class Attention(nn.Module):
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         layer_cache: torch.Tensor,
-        plan: TorchAttentionPlan,
+        plan: Any,  # the backend's plan of this batch
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -76,7 +78,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each with a residual connection."""
 
-    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, backend)
@@ -88,7 +90,7 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         layer_cache: torch.Tensor,
-        plan: TorchAttentionPlan,
+        plan: Any,  # the backend's plan of this batch
     ) -> torch.Tensor:
         # In place: `hidden` is this forward's own buffer (inference only).
         hidden.add_(self.self_attn(self.input_layernorm(hidden), cos_sin, layer_cache, plan))
@@ -101,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
     Parameter names follow Hugging Face's except the fused `qkv_proj` and `gate_up_proj`
     (the loader fuses them)."""
 
-    def __init__(self, config: ModelConfig, backend: TorchAttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
