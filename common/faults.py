@@ -23,6 +23,7 @@ class DelayInterceptor(UnaryInterceptor):
     only the first `count` of them when `count` is set."""
 
     def __init__(self, delay_s: float, methods: tuple[str, ...], count: int | None = None) -> None:
+        super().__init__()
         self.delay_s = delay_s
         self.methods = methods
         self._left = count  # delays still to inject; None: every matching call

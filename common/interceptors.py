@@ -11,7 +11,15 @@ UnaryBehavior = Callable[[Any, grpc.ServicerContext], Any]
 
 
 class UnaryInterceptor(grpc.ServerInterceptor):
-    """Wraps every unary-unary handler whose method `applies_to`; streams pass through."""
+    """Wraps every unary-unary handler whose method `applies_to`; streams pass through.
+
+    gRPC asks the interceptor for a handler on every call; the wrapped handler of a method is
+    built once and kept (a server's handlers are fixed once it has started), which saves the
+    lookup and wrapping on each call of a hot method such as Step or Execute.
+    """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     def applies_to(self, method: str) -> bool:
         return True
@@ -24,11 +32,15 @@ class UnaryInterceptor(grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Any],
         details: grpc.HandlerCallDetails,
     ) -> Any:
+        wrapped = self._wrapped.get(details.method)
+        if wrapped is not None:
+            return wrapped
         handler = continuation(details)
         if handler is None or handler.unary_unary is None or not self.applies_to(details.method):
             return handler
-        return grpc.unary_unary_rpc_method_handler(
+        wrapped = self._wrapped[details.method] = grpc.unary_unary_rpc_method_handler(
             self.wrap(details.method, handler.unary_unary),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+        return wrapped

@@ -31,13 +31,17 @@ class MetricsInterceptor(UnaryInterceptor):
     """Counts and times unary RPCs by method and status code."""
 
     def wrap(self, method: str, inner: UnaryBehavior) -> UnaryBehavior:
+        seconds = RPC_SECONDS.labels(method)
+        ok_total = RPC_TOTAL.labels(method, "OK")
+
         def timed(request: Any, context: grpc.ServicerContext) -> Any:
             start = time.perf_counter()
             try:
                 return inner(request, context)
             finally:
-                RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+                seconds.observe(time.perf_counter() - start)
                 code = context.code()
-                RPC_TOTAL.labels(method, code.name if code else "OK").inc()
+                total = ok_total if code is None else RPC_TOTAL.labels(method, code.name)
+                total.inc()
 
         return timed
