@@ -13,7 +13,9 @@ frees the finished ones (FREE), as the gateway does. Reported for block sizes 16
 - gRPC: p50 / p99 latency of one Step carrying 256 decode appends, client and server in two
   processes on loopback (the server is `python -m block_service`); then N clients (threads of
   this process, each its own session and 256 sequences) stepping at once: their total appends
-  per second and their p50, which shows the server's one lock and GIL at work.
+  per second and their p50, which shows the server's one lock and GIL at work; and the mean
+  time the server spent in its Step handler (from its metrics port), which splits a call's
+  latency into the service's own work and gRPC's on both ends.
 On a shared machine the wall-clock figures drop with other load; the load average is printed.
 
     .venv/bin/python bench/block_service.py --journal [--quick] [--journal-root DIR]
@@ -251,11 +253,30 @@ def create_pool(address: str, pool_id: str, num_blocks: int, block_size: int) ->
             pool_id=pool_id, num_blocks=num_blocks, block_size=block_size, epoch=1))
 
 
+def step_handler_totals(metrics_port: int) -> tuple[float, float]:
+    """(seconds, calls) the server has spent in its Step handler, from its /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    totals = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        if line.startswith("pagewire_rpc_seconds_") and "BlockService/Step" in line:
+            name, value = line.rsplit(" ", 1)
+            kind = name.split("{", 1)[0].rsplit("_", 1)[-1]
+            if kind in totals:
+                totals[kind] = float(value)
+    return totals["sum"], totals["count"]
+
+
 @dataclass
 class GrpcFigures:
     """Step latencies of one client, and the throughput of several at once."""
 
     latencies: list[float]
+    # Mean time inside the server's Step handler (request lists to response message, the
+    # service's own metrics); the rest of a call's latency is gRPC on both ends.
+    handler_mean: float
     concurrent_clients: int
     concurrent_appends_per_s: float
     concurrent_p50: float
@@ -264,13 +285,19 @@ class GrpcFigures:
 def measure_grpc(block_size: int, trace: list[TraceSeq], num_steps: int, clients: int,
                  rng: random.Random) -> GrpcFigures:
     """One client's Step(256 appends) latencies, then `clients` clients stepping at once."""
-    longest = max(len(s.prompt) for s in trace) + num_steps + 1
+    warm_steps = min(20, num_steps // 10)
+    longest = max(len(s.prompt) for s in trace) + warm_steps + num_steps + 1
     per_client = NUM_SEQUENCES * (-(-longest // block_size) + 1)
     prompts = {seq.seq_id: seq.prompt for seq in trace}
-    with server_process() as address:
+    metrics_port = free_port()
+    with server_process(("--metrics-port", str(metrics_port))) as address:
         create_pool(address, "bench", per_client * (1 + clients), block_size)
         single = DecodeClient(address, "bench", prompts, rng)
+        for _ in range(warm_steps):
+            single.step()  # the first Step publishes every prompt's blocks: not a decode step
+        spent_before, calls_before = step_handler_totals(metrics_port)
         latencies = [single.step() for _ in range(num_steps)]
+        spent_after, calls_after = step_handler_totals(metrics_port)
         single.close()
         group = [DecodeClient(address, "bench", {seq_id + 1000 * (c + 1): p
                                                  for seq_id, p in prompts.items()},
@@ -287,9 +314,9 @@ def measure_grpc(block_size: int, trace: list[TraceSeq], num_steps: int, clients
         elapsed = time.perf_counter() - start
         for client in group:
             client.close()
-    warm = min(20, num_steps // 10)
     together = [t for r in results for t in r]
-    return GrpcFigures(latencies[warm:], clients,
+    handler_mean = (spent_after - spent_before) / max(1.0, calls_after - calls_before)
+    return GrpcFigures(latencies, handler_mean, clients,
                        clients * steps_each * NUM_SEQUENCES / elapsed,
                        percentile(together, 0.5))
 
@@ -332,9 +359,9 @@ def print_table(rows: list[tuple[int, CoreFigures, GrpcFigures]]) -> None:
           "appends, client and `python -m block_service` on loopback")
     print(f"{'block':>5} | {'decode appends/s':>16} | {'median step':>11} | {'CPU time':>9} | "
           f"{'trace ops/s':>11} | "
-          f"{'prefix hit':>10} | {'Step p50':>8} | {'Step p99':>8} | "
+          f"{'prefix hit':>10} | {'Step p50':>8} | {'Step p99':>8} | {'in server':>9} | "
           f"{'N clients appends/s':>19} | {'their p50':>9}")
-    print("-" * 137)
+    print("-" * 149)
     for block_size, core, grpc_figures in rows:
         latencies = grpc_figures.latencies
         print(f"{block_size:>5} | {core.decode_appends / core.decode_seconds:>16,.0f} | "
@@ -343,9 +370,12 @@ def print_table(rows: list[tuple[int, CoreFigures, GrpcFigures]]) -> None:
               f"{core.ops / core.seconds:>11,.0f} | {core.cached_fraction:>10.1%} | "
               f"{percentile(latencies, 0.5) * 1e3:>5.2f} ms | "
               f"{percentile(latencies, 0.99) * 1e3:>5.2f} ms | "
+              f"{grpc_figures.handler_mean * 1e3:>6.2f} ms | "
               f"{grpc_figures.concurrent_appends_per_s:>10,.0f} "
               f"(N={grpc_figures.concurrent_clients}) | "
               f"{grpc_figures.concurrent_p50 * 1e3:>6.2f} ms")
+    print("in server: mean time in the Step handler (the service's own metrics); the rest of "
+          "a call is gRPC on both ends")
     print("targets: core >= 500,000 decode appends/s; Step(256 appends) p50 <= 1 ms, "
           "p99 <= 3 ms")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end "
