@@ -11,7 +11,8 @@ frees the finished ones (FREE), as the gateway does. Reported for block sizes 16
   all pure decode steps (wall clock), for the median step, and by this thread's CPU time; and
   all operations per second over the whole trace;
 - gRPC: p50 / p99 latency of one Step carrying 256 decode appends, client and server in two
-  processes on loopback (the server is `python -m block_service`); then N clients (threads of
+  processes on loopback (the server is `python -m block_service`), as a unary Step and over a
+  StepStream (the gateway's way: no per-call set-up), alternately; then N clients (threads of
   this process, each its own session and 256 sequences) stepping at once: their total appends
   per second and their p50, which shows the server's one lock and GIL at work; and the mean
   time the server spent in its Step handler (from its metrics port), which splits a call's
@@ -42,12 +43,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from block_service.core import BlockServiceCore  # noqa: E402
 from block_service.ops import OP_ALLOCATE, OP_APPEND, OP_COMMIT, OP_FREE  # noqa: E402
+from gateway.step_stream import StepStreamClient  # noqa: E402
 
 NUM_SEQUENCES = 256
 SYSTEM_PROMPT_TOKENS = 512
@@ -219,9 +222,20 @@ class DecodeClient:
             assert answer.allocated
             self.lengths[seq_id] = len(prompt)
         self.step_id = 0
+        self.stream: StepStreamClient | None = None
 
     def step(self) -> float:
         """One Step appending a token to every sequence; returns its latency in seconds."""
+        return self._timed(self.stub.Step)
+
+    def stream_step(self) -> float:
+        """The same over the client's StepStream (opened on first use), as the gateway sends
+        it; returns its latency in seconds."""
+        if self.stream is None:
+            self.stream = StepStreamClient(self.stub, timeout_s=30.0)
+        return self._timed(self.stream.step)
+
+    def _timed(self, send: Callable[[Any], Any]) -> float:
         seq_ids = list(self.lengths)
         self.step_id += 1
         request = self.pb.StepRequest(
@@ -232,7 +246,7 @@ class DecodeClient:
             parent_seq_ids=[0] * len(seq_ids),
             num_computed_tokens=[self.lengths[seq_id] for seq_id in seq_ids])
         start = time.perf_counter()
-        answer = self.stub.Step(request)
+        answer = send(request)
         elapsed = time.perf_counter() - start
         assert len(answer.slot_mapping) == len(seq_ids)
         for seq_id in seq_ids:
@@ -240,6 +254,8 @@ class DecodeClient:
         return elapsed
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         self.channel.close()
 
 
@@ -274,6 +290,7 @@ class GrpcFigures:
     """Step latencies of one client, and the throughput of several at once."""
 
     latencies: list[float]
+    stream_latencies: list[float]  # the same Steps over a StepStream, interleaved with them
     # Mean time inside the server's Step handler (request lists to response message, the
     # service's own metrics); the rest of a call's latency is gRPC on both ends.
     handler_mean: float
@@ -286,7 +303,7 @@ def measure_grpc(block_size: int, trace: list[TraceSeq], num_steps: int, clients
                  rng: random.Random) -> GrpcFigures:
     """One client's Step(256 appends) latencies, then `clients` clients stepping at once."""
     warm_steps = min(20, num_steps // 10)
-    longest = max(len(s.prompt) for s in trace) + warm_steps + num_steps + 1
+    longest = max(len(s.prompt) for s in trace) + warm_steps + 2 * num_steps + 1
     per_client = NUM_SEQUENCES * (-(-longest // block_size) + 1)
     prompts = {seq.seq_id: seq.prompt for seq in trace}
     metrics_port = free_port()
@@ -295,8 +312,12 @@ def measure_grpc(block_size: int, trace: list[TraceSeq], num_steps: int, clients
         single = DecodeClient(address, "bench", prompts, rng)
         for _ in range(warm_steps):
             single.step()  # the first Step publishes every prompt's blocks: not a decode step
+        single.stream_step()  # opens the stream
+        latencies, stream_latencies = [], []
         spent_before, calls_before = step_handler_totals(metrics_port)
-        latencies = [single.step() for _ in range(num_steps)]
+        for _ in range(num_steps):  # alternately, so that both see the same machine
+            latencies.append(single.step())
+            stream_latencies.append(single.stream_step())
         spent_after, calls_after = step_handler_totals(metrics_port)
         single.close()
         group = [DecodeClient(address, "bench", {seq_id + 1000 * (c + 1): p
@@ -316,7 +337,7 @@ def measure_grpc(block_size: int, trace: list[TraceSeq], num_steps: int, clients
             client.close()
     together = [t for r in results for t in r]
     handler_mean = (spent_after - spent_before) / max(1.0, calls_after - calls_before)
-    return GrpcFigures(latencies, handler_mean, clients,
+    return GrpcFigures(latencies, stream_latencies, handler_mean, clients,
                        clients * steps_each * NUM_SEQUENCES / elapsed,
                        percentile(together, 0.5))
 
@@ -360,8 +381,9 @@ def print_table(rows: list[tuple[int, CoreFigures, GrpcFigures]]) -> None:
     print(f"{'block':>5} | {'decode appends/s':>16} | {'median step':>11} | {'CPU time':>9} | "
           f"{'trace ops/s':>11} | "
           f"{'prefix hit':>10} | {'Step p50':>8} | {'Step p99':>8} | {'in server':>9} | "
+          f"{'stream p50':>10} | {'stream p99':>10} | "
           f"{'N clients appends/s':>19} | {'their p50':>9}")
-    print("-" * 149)
+    print("-" * 175)
     for block_size, core, grpc_figures in rows:
         latencies = grpc_figures.latencies
         print(f"{block_size:>5} | {core.decode_appends / core.decode_seconds:>16,.0f} | "
@@ -371,11 +393,15 @@ def print_table(rows: list[tuple[int, CoreFigures, GrpcFigures]]) -> None:
               f"{percentile(latencies, 0.5) * 1e3:>5.2f} ms | "
               f"{percentile(latencies, 0.99) * 1e3:>5.2f} ms | "
               f"{grpc_figures.handler_mean * 1e3:>6.2f} ms | "
+              f"{percentile(grpc_figures.stream_latencies, 0.5) * 1e3:>7.2f} ms | "
+              f"{percentile(grpc_figures.stream_latencies, 0.99) * 1e3:>7.2f} ms | "
               f"{grpc_figures.concurrent_appends_per_s:>10,.0f} "
               f"(N={grpc_figures.concurrent_clients}) | "
               f"{grpc_figures.concurrent_p50 * 1e3:>6.2f} ms")
     print("in server: mean time in the Step handler (the service's own metrics); the rest of "
           "a call is gRPC on both ends")
+    print("stream: the same Steps over one StepStream (what the gateway sends), alternating "
+          "with the unary ones")
     print("targets: core >= 500,000 decode appends/s; Step(256 appends) p50 <= 1 ms, "
           "p99 <= 3 ms")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end "

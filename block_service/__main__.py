@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits=Limits(**{name: getattr(args, name) for name in vars(Limits())}))
     journal = recover(core, args) if args.journal_dir else None
     register_pool_metrics(core)
-    service = start_server(server_options_from_args(args), register(core), [SERVICE_NAME])
+    options = server_options_from_args(args)
+    service = start_server(options, register(core, options.max_workers), [SERVICE_NAME])
     reaper = LeaseReaper(core, args.reap_interval_s).start()
 
     def stop() -> None:

@@ -6,7 +6,8 @@ core (BlockServiceError) become the gRPC status of the same name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -41,11 +42,19 @@ def step_response(result: StepResult) -> block_pb2.StepResponse:
         errors=result.errors)
 
 
+# Server threads kept for unary calls (KeepAlive, health, Step) however many StepStreams are
+# open: each open stream holds one thread of the server's pool for as long as it lives.
+UNARY_THREADS = 4
+
+
 class BlockServicer(block_pb2_grpc.BlockServiceServicer):
     """Translates BlockService RPCs to BlockServiceCore calls."""
 
-    def __init__(self, core: BlockServiceCore) -> None:
+    def __init__(self, core: BlockServiceCore, max_step_streams: int) -> None:
         self.core = core
+        self.max_step_streams = max_step_streams
+        self._stream_slots = threading.BoundedSemaphore(max_step_streams) \
+            if max_step_streams > 0 else None
 
     @staticmethod
     def _call(context: grpc.ServicerContext, work: Callable[[], T]) -> T:
@@ -132,6 +141,20 @@ class BlockServicer(block_pb2_grpc.BlockServiceServicer):
             request.num_computed_tokens[:], dict(request.cache_salts)))
         return step_response(result)
 
+    def StepStream(self, requests: Iterator[block_pb2.StepRequest],
+                   context: grpc.ServicerContext) -> Iterator[block_pb2.StepResponse]:
+        slots = self._stream_slots
+        if slots is None or not slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.max_step_streams} StepStreams are open, as many as this "
+                          "server has threads for (--max-workers): use Step")
+            return
+        try:
+            for request in requests:
+                yield self.Step(request, context)
+        finally:
+            slots.release()
+
     def MatchPrefix(self, request: block_pb2.MatchPrefixRequest,
                     context: grpc.ServicerContext) -> block_pb2.MatchPrefixResponse:
         cached = self._call(context, lambda: self.core.match_prefix(
@@ -144,9 +167,11 @@ class BlockServicer(block_pb2_grpc.BlockServiceServicer):
         return block_pb2.GetStatsResponse(stats=block_pb2.Stats(**vars(stats)))
 
 
-def register(core: BlockServiceCore) -> Callable[[grpc.Server], None]:
-    """The `register` callback for common.server.start_server."""
+def register(core: BlockServiceCore, max_workers: int) -> Callable[[grpc.Server], None]:
+    """The `register` callback for common.server.start_server, for a server with
+    `max_workers` threads."""
+    servicer = BlockServicer(core, max(0, max_workers - UNARY_THREADS))
+
     def add(server: grpc.Server) -> None:
-        server.add_generic_rpc_handlers(
-            (lenient_handlers(BlockServicer(core), SERVICE, block_pb2),))
+        server.add_generic_rpc_handlers((lenient_handlers(servicer, SERVICE, block_pb2),))
     return add

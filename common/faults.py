@@ -2,8 +2,9 @@
 
 Set `PAGEWIRE_INJECT_DELAY_MS` (and optionally `PAGEWIRE_INJECT_DELAY_METHODS`, a comma-separated
 list of method names such as `Step,Execute`) in a service's environment and every matching unary
-call sleeps that long before it is handled. With `PAGEWIRE_INJECT_DELAY_COUNT=N` only the first N
-matching calls are delayed (a slow moment, not a slow service). Nothing is injected when unset.
+call sleeps that long before it is handled, as does every message of a matching bidirectional
+stream (`StepStream`). With `PAGEWIRE_INJECT_DELAY_COUNT=N` only the first N matching calls or
+messages are delayed (a slow moment, not a slow service). Nothing is injected when unset.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 from common.interceptors import UnaryBehavior, UnaryInterceptor
+
+StreamBehavior = Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]
 
 
 class DelayInterceptor(UnaryInterceptor):
@@ -47,6 +51,33 @@ class DelayInterceptor(UnaryInterceptor):
             if self._take_one():
                 time.sleep(self.delay_s)
             return inner(request, context)
+
+        return delayed
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.stream_stream is None or \
+                not self.applies_to(details.method):
+            return super().intercept_service(continuation, details)
+        return grpc.stream_stream_rpc_method_handler(
+            self._wrap_stream(handler.stream_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap_stream(self, inner: StreamBehavior) -> StreamBehavior:
+        def delayed(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            def late() -> Iterator[Any]:
+                for request in requests:
+                    if self._take_one():
+                        time.sleep(self.delay_s)
+                    yield request
+
+            return inner(late(), context)
 
         return delayed
 

@@ -63,23 +63,40 @@ def _server_stream(
     return handle
 
 
+def _bidi_stream(
+    method: Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Message]],
+) -> Callable[..., Iterator[Message]]:
+    def handle(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Message]:
+        def parsed() -> Iterator[Any]:
+            for request in requests:
+                _refuse_malformed(request, context)
+                yield request
+
+        yield from method(parsed(), context)
+
+    return handle
+
+
 def lenient_handlers(
     servicer: object, service: ServiceDescriptor, messages: ModuleType
 ) -> grpc.GenericRpcHandler:
-    """A generic handler for every method of `service` (unary or server-streaming), calling
-    the servicer's method of the same name; `messages` is the service's *_pb2 module."""
+    """A generic handler for every method of `service` (unary, server-streaming or
+    bidirectional), calling the servicer's method of the same name; `messages` is the
+    service's *_pb2 module."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         request_class = getattr(messages, method.input_type.name)
         response_class = getattr(messages, method.output_type.name)
         behavior = getattr(servicer, method.name)
-        if method.client_streaming:
+        if method.client_streaming and not method.server_streaming:
             raise ValueError(f"{method.full_name}: client streaming is not supported")
-        make, wrap = (
-            (grpc.unary_stream_rpc_method_handler, _server_stream)
-            if method.server_streaming
-            else (grpc.unary_unary_rpc_method_handler, _unary)
-        )
+        kinds: dict[tuple[bool, bool], tuple[Callable[..., grpc.RpcMethodHandler],
+                                             Callable[..., Any]]] = {
+            (False, False): (grpc.unary_unary_rpc_method_handler, _unary),
+            (False, True): (grpc.unary_stream_rpc_method_handler, _server_stream),
+            (True, True): (grpc.stream_stream_rpc_method_handler, _bidi_stream),
+        }
+        make, wrap = kinds[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             wrap(behavior),
             request_deserializer=lenient_parser(request_class),

@@ -40,6 +40,7 @@ from gateway.step_builder import (
     parse_step_response,
     sampled_sequences,
 )
+from gateway.step_stream import StepStreamClient, StreamBroken
 from protos import block_pb2, block_pb2_grpc, runner_pb2, runner_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,7 @@ class Engine:
         self.health = DependencyHealth()
         self._blocks = block_pb2_grpc.BlockServiceStub(block_channel)
         self._runner = runner_pb2_grpc.RunnerServiceStub(runner_channel)
+        self._step_stream = StepStreamClient(self._blocks, self.retry.control_timeout_s)
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs)
         self.info: BackendInfo | None = None
         self._session_id = ""
@@ -272,6 +274,7 @@ class Engine:
         for request in [*self._requests.values(), *self._inbox]:
             request.abort_outputs()
             request.flush()
+        self._step_stream.close()
         self._close_session()
 
     def set_health_listener(self, listener: Callable[[bool], None] | None) -> None:
@@ -525,6 +528,13 @@ class Engine:
         metrics.STEPS.inc()
         try:
             with metrics.STEP_SECONDS.time():
+                try:
+                    return self._step_stream.step(request)
+                except StreamBroken as broken:
+                    # The same request as a unary Step, under the retry policy; a failure
+                    # Step answers with a status surfaces here as it would have on the stream.
+                    log.debug("StepStream: %s; sending step %d as a Step", broken,
+                              request.step_id)
                 return self._call(BLOCK_SERVICE, self._blocks.Step, request)
         except grpc.RpcError as error:
             if error.code() in _LOST:  # type: ignore[attr-defined]

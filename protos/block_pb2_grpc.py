@@ -85,6 +85,11 @@ class BlockServiceStub:
                 request_serializer=protos_dot_block__pb2.StepRequest.SerializeToString,
                 response_deserializer=protos_dot_block__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/pagewire.block.v1.BlockService/StepStream',
+                request_serializer=protos_dot_block__pb2.StepRequest.SerializeToString,
+                response_deserializer=protos_dot_block__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.MatchPrefix = channel.unary_unary(
                 '/pagewire.block.v1.BlockService/MatchPrefix',
                 request_serializer=protos_dot_block__pb2.MatchPrefixRequest.SerializeToString,
@@ -172,6 +177,23 @@ class BlockServiceServicer:
         """Every operation of one scheduling step in one call (the hot path). Operations are applied
         in order and each gets one result. Retrying the same (session_id, step_id) returns the
         first answer and applies nothing twice.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """Step over one long-lived stream, for a client that steps continuously (a gateway): each
+        request gets exactly one response, in order, with Step's semantics (the same idempotent
+        step ids). It saves gRPC's per-call set-up, about a fifth of a Step's latency. A failure
+        that Step answers with a status ends the stream with that status; the client resends the
+        step it had in flight on a new stream or with Step. A server with no thread to spare for
+        one more stream refuses it with RESOURCE_EXHAUSTED: use Step then.
+        Step's own messages on purpose: the same request and answer, only carried differently.
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -241,6 +263,11 @@ def add_BlockServiceServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=protos_dot_block__pb2.StepRequest.FromString,
+                    response_serializer=protos_dot_block__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=protos_dot_block__pb2.StepRequest.FromString,
                     response_serializer=protos_dot_block__pb2.StepResponse.SerializeToString,
             ),
@@ -524,6 +551,33 @@ class BlockService:
             request,
             target,
             '/pagewire.block.v1.BlockService/Step',
+            protos_dot_block__pb2.StepRequest.SerializeToString,
+            protos_dot_block__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagewire.block.v1.BlockService/StepStream',
             protos_dot_block__pb2.StepRequest.SerializeToString,
             protos_dot_block__pb2.StepResponse.FromString,
             options,

@@ -43,7 +43,8 @@ class Client:
 @pytest.fixture
 def client() -> Iterator[Client]:
     core = BlockServiceCore(LeasePolicy(10.0, 1.0, 60.0), LIMITS)
-    service = start_server(ServerOptions(port=0), register(core), [SERVICE_NAME])
+    options = ServerOptions(port=0)
+    service = start_server(options, register(core, options.max_workers), [SERVICE_NAME])
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = block_pb2_grpc.BlockServiceStub(channel)
     stub.CreatePool(pb.CreatePoolRequest(pool_id=POOL, num_blocks=64, block_size=4, epoch=1))

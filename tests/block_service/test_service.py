@@ -27,7 +27,8 @@ OK = block_pb2.OP_STATUS_OK
 @pytest.fixture
 def stub() -> Iterator[block_pb2_grpc.BlockServiceStub]:
     core = BlockServiceCore(LeasePolicy(default_ttl_s=10.0, min_ttl_s=0.5, max_ttl_s=60.0))
-    service = start_server(ServerOptions(port=0), register(core), [SERVICE_NAME])
+    options = ServerOptions(port=0)
+    service = start_server(options, register(core, options.max_workers), [SERVICE_NAME])
     reaper = LeaseReaper(core, interval_s=0.1).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = block_pb2_grpc.BlockServiceStub(channel)
@@ -283,3 +284,69 @@ def test_process_serves_health_reflection_metrics_and_stops_on_sigterm(tmp_path:
         assert time.monotonic() - started < 5
     finally:
         service.kill()
+
+
+def test_step_stream_answers_each_step_as_step_does(stub):
+    session = open_session(stub)
+    allocate = block_pb2.StepRequest(
+        session_id=session, pool_id=POOL, step_id=1, epoch=7,
+        op_kinds=[block_pb2.OP_KIND_ALLOCATE] * 2, seq_ids=[1, 2], token_counts=[20, 3],
+        token_ids=list(range(23)), parent_seq_ids=[0, 0], num_computed_tokens=[-1, -1])
+    requests = [allocate, decode_step(session, 2, [1, 2], [20, 3]),
+                decode_step(session, 2, [1, 2], [20, 3]),  # a resent step: answered again
+                decode_step(session, 3, [1, 2], [21, 4])]
+    answers = list(stub.StepStream(iter(requests)))
+    assert len(answers) == len(requests)
+    assert [a.step_id for a in answers] == [1, 2, 2, 3]
+    assert answers[2] == answers[1]
+    # Blocks as Step would hand them out: 2 + 1 for the prompts, none for these appends
+    # (slot 20 and 21 of sequence 1 are in its second block, 3 and 4 in sequence 2's first).
+    assert list(answers[1].slot_mapping) == [answers[0].table_block_ids[1] * 16 + 4,
+                                             answers[0].table_block_ids[2] * 16 + 3]
+    assert used_blocks(stub) == 3
+    # The same step id once more, now over a unary Step: the answer kept from the stream.
+    assert stub.Step(requests[3]) == answers[3]
+
+
+def test_step_stream_ends_with_the_status_step_would_answer(stub):
+    session = open_session(stub)
+    stale = decode_step(session, 1, [1], [0])  # an unknown sequence is an op error, not a call
+    unknown_session = decode_step("no-such-session", 1, [1], [0])
+    stream = stub.StepStream(iter([stale, unknown_session]))
+    first = next(stream)
+    assert list(first.op_statuses) == [block_pb2.OP_STATUS_NOT_FOUND]
+    with pytest.raises(grpc.RpcError) as error:
+        next(stream)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_step_stream_beyond_the_servers_threads_is_refused():
+    core = BlockServiceCore(LeasePolicy(default_ttl_s=10.0, min_ttl_s=0.5, max_ttl_s=60.0))
+    options = ServerOptions(port=0, max_workers=6)  # 6 - 4 unary threads: 2 streams
+    service = start_server(options, register(core, options.max_workers), [SERVICE_NAME])
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = block_pb2_grpc.BlockServiceStub(channel)
+    stub.CreatePool(block_pb2.CreatePoolRequest(pool_id=POOL, num_blocks=8, block_size=16,
+                                                epoch=7))
+    session = open_session(stub)
+    feeds = [threading.Event() for _ in range(3)]
+
+    def held_open(done: threading.Event) -> Iterator[block_pb2.StepRequest]:
+        yield decode_step(session, 1, [1], [0])
+        done.wait(10)
+
+    try:
+        open_streams = [stub.StepStream(held_open(feeds[i])) for i in range(2)]
+        for stream in open_streams:
+            next(stream)  # both are being served
+        refused = stub.StepStream(held_open(feeds[2]))
+        with pytest.raises(grpc.RpcError) as error:
+            next(refused)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "use Step" in error.value.details()
+        assert used_blocks(stub) == 0  # unary calls are still served
+    finally:
+        for feed in feeds:
+            feed.set()
+        channel.close()
+        service.stop(grace_s=0)
