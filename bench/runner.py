@@ -6,8 +6,16 @@
 - prefill: tokens/s for 8 prompts of 256 tokens in one batch (transformers: one padded-free
   [8, 256] forward with logits_to_keep=1, as generate does).
 
+Like with like: both sides compute logits only where a token is sampled (transformers'
+decode forward has one position per sequence; its prefill uses logits_to_keep=1), both run
+float32 on the same threads, and both are timed alternately in the same process (median of
+the steps) so that both see the same machine load. Our side includes validation, batch
+building and greedy sampling; theirs only the forward and an argmax. `--linear-backend`
+(default auto: MKL-packed weights for the row counts where they measured faster at start)
+is printed in the header; `--linear-backend plain` measures without them.
+
 Default model (SmolLM2-135M-Instruct), float32, CPU. Usage: .venv/bin/python bench/runner.py
-[--batches 1 8 32 64] [--context 256] [--steps 5] [--model PATH]
+[--batches 1 8 32 64] [--context 256] [--steps 7] [--model PATH] [--linear-backend auto]
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_store import resolve_model
 from gpu_runner.batch import ExecuteBatch
 from gpu_runner.kv_cache import bytes_per_block
+from gpu_runner.layers.linear import LINEAR_BACKENDS
 from gpu_runner.runner import ModelRunner, RunnerOptions
 
 BLOCK_SIZE = 16
@@ -183,6 +192,7 @@ def main() -> int:
     parser.add_argument("--prefill-prompts", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--prefill-repeats", type=int, default=3)
+    parser.add_argument("--linear-backend", default="auto", choices=list(LINEAR_BACKENDS))
     args = parser.parse_args()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -201,7 +211,7 @@ def main() -> int:
     cache_bytes = blocks * bytes_per_block(config, BLOCK_SIZE, torch.float32)
     ours = ModelRunner(RunnerOptions(model=str(folder), block_size=BLOCK_SIZE,
                                      kv_cache_memory=cache_bytes, max_model_len=max_len,
-                                     num_threads=threads))
+                                     num_threads=threads, linear_backend=args.linear_backend))
     rows = []
     for batch in args.batches:
         ours_ms, theirs_ms = interleaved_ms(
@@ -214,13 +224,16 @@ def main() -> int:
         theirs_prefill(theirs, args.prefill_prompts, args.prefill_len), args.prefill_repeats)
     rows.append(Row(f"prefill {args.prefill_prompts}x{args.prefill_len}",
                     tokens / ours_ms * 1e3, tokens / theirs_ms * 1e3, "tok/s"))
-    print_table(rows, folder.name, threads)
+    print_table(rows, folder.name, threads, ours.linear_backend)
+    for shape, policy in ours.linear_policies.items():
+        print(f"  packed weights for {shape.out_features}x{shape.in_features}: "
+              f"{policy.describe()}")
     return 0
 
 
-def print_table(rows: list[Row], model: str, threads: int) -> None:
+def print_table(rows: list[Row], model: str, threads: int, linear_backend: str) -> None:
     print(f"\nrunner benchmark: {model}, float32, CPU, {threads} threads, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}, linear backend {linear_backend}")
     print(f"{'shape':<28}{'pagewire':>12}{'transformers':>14}{'ratio':>8}  target")
     for row in rows:
         target = "<= 1.00x time" if row.unit == "ms" else ">= 1.20x tok/s"

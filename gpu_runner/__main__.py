@@ -14,6 +14,7 @@ from pathlib import Path
 from common.log import setup_logging
 from common.server import add_server_arguments, server_options_from_args, start_server
 from gpu_runner.attention.selection import BACKEND_CHOICES
+from gpu_runner.layers.linear import LINEAR_BACKENDS
 from gpu_runner.recorder import BatchRecorder
 from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
 
@@ -45,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         choices=list(BACKEND_CHOICES),
                         help="auto: flash_attn if it imports on CUDA, else triton on CUDA, "
                              "else torch")
+    parser.add_argument("--linear-backend",
+                        default=env("PAGEWIRE_RUNNER_LINEAR_BACKEND", "auto"),
+                        choices=list(LINEAR_BACKENDS),
+                        help="auto: on CPU in float32, MKL-packed weights for the row counts "
+                             "where a measurement at start finds them faster (costs one more "
+                             "copy of the weights); packed: always for <= 2048 rows; "
+                             "plain: off (always plain on CUDA)")
     parser.add_argument("--tensor-parallel-size", type=int,
                         default=int(env("PAGEWIRE_RUNNER_TENSOR_PARALLEL_SIZE", "1")),
                         help="split the model over N processes (N GPUs; gloo on CPU)")
@@ -79,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len, num_threads=args.num_threads,
-            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+            attention_backend=args.attention_backend, linear_backend=args.linear_backend,
+            enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
         ))
     except (OSError, ValueError) as error:

@@ -47,6 +47,12 @@ from gpu_runner.kv_cache import (
     cuda_budget_bytes,
     num_blocks_for_budget,
 )
+from gpu_runner.layers.linear import (
+    GemmShape,
+    PackPolicy,
+    install_linear_backend,
+    resolve_linear_backend,
+)
 from gpu_runner.loader import load_model
 from gpu_runner.models.llama import LlamaForCausalLM
 from gpu_runner.sampler import SamplerOutput, sample
@@ -70,6 +76,7 @@ class RunnerOptions:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # CPU threads; None: every core
     attention_backend: str = "auto"  # auto | torch | triton | flash_attn
+    linear_backend: str = "auto"  # auto | packed | plain (MKL-packed weights, CPU float32)
     enforce_eager: bool = False  # True: no CUDA graphs
     cuda_graph_max_batch: int = 256  # largest decode batch replayed from a CUDA graph
     tensor_parallel_size: int = 1
@@ -132,6 +139,7 @@ class ModelRunner:
         self.workers: WorkerSet | None = None
         self.tp = self._join_tensor_parallel()
         self.model, self.config, self.local_config = self._load()
+        self.linear_backend, self.linear_policies = self._install_linear_backend()
         self.block_size = options.block_size
         self.max_model_len = min(
             options.max_model_len or self.config.max_position_embeddings,
@@ -149,9 +157,10 @@ class ModelRunner:
         )
         self.epoch = new_epoch()
         self.graphs = self._capture_graphs()
-        log.info("model %s (%s) on %s/%s: %d blocks of %d tokens, max_model_len %d",
-                 self.folder.name, self.config.architecture, self.device, _dtype_name(self.dtype),
-                 self.num_blocks, self.block_size, self.max_model_len)
+        log.info("model %s (%s) on %s/%s: %d blocks of %d tokens, max_model_len %d, "
+                 "linear backend %s", self.folder.name, self.config.architecture, self.device,
+                 _dtype_name(self.dtype), self.num_blocks, self.block_size, self.max_model_len,
+                 self.linear_backend)
 
     # ---- start-up ----
 
@@ -185,7 +194,22 @@ class ModelRunner:
                 self.folder, self.device, self.dtype, self.tp.shard, self.tp.compute_group,
                 backend_for)
         install_backend(model, backend_for(local))
+        if self.dtype == torch.float32:
+            model.interleave_rotary()  # rotary as one complex multiply (layers/rotary.py)
         return model, config, local
+
+    def _install_linear_backend(self) -> tuple[str, dict[GemmShape, PackPolicy]]:
+        """Packs the projections' weights where that is faster (CPU float32). Not with tensor
+        parallelism: its row-parallel layers have their own forward. Returns the backend and
+        the policy of each weight shape."""
+        requested = self.options.linear_backend
+        if self.tp is not None:
+            if requested == "packed":
+                raise ValueError("--linear-backend packed does not combine with tensor "
+                                 "parallelism (use auto or plain)")
+            requested = "plain"
+        backend = resolve_linear_backend(requested, self.device, self.dtype)
+        return backend, install_linear_backend(self.model, backend)
 
     def _size_cache(self) -> int:
         budget = self.options.kv_cache_memory

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gpu_runner.layers.linear import Linear
+
 
 class Embedding(nn.Module):
     """Token id -> vector."""
@@ -18,13 +20,10 @@ class Embedding(nn.Module):
         return F.embedding(token_ids, self.weight)
 
 
-class LMHead(nn.Module):
-    """Hidden state -> logits over the vocabulary. With tied embeddings the weight is the
-    embedding's own tensor (the loader shares it)."""
+class LMHead(Linear):
+    """Hidden state -> logits over the vocabulary (a Linear without bias, so it shares the
+    packed-weight dispatch). With tied embeddings the weight is the embedding's own tensor
+    (the loader shares it); a packed copy is separate."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        super().__init__(hidden_size, vocab_size)

@@ -1,10 +1,106 @@
-"""Projections, including the fused ones (q/k/v in one matmul, gate/up in another)."""
+"""Projections (including the fused ones: q/k/v in one matmul, gate/up in another) and the
+CPU GEMM dispatch that picks, per call, between plain and MKL-packed weights.
+
+Why a dispatch: on CPU, `F.linear` (MKL sgemm) re-packs the weight into MKL's internal layout
+on every call. With few rows (decode: one row per sequence) that packing is most of the time;
+a weight packed once at load (`torch.ops.mkl._mkl_reorder_linear_weight`, multiplied with
+`torch.ops.mkl._mkl_linear`) skips it and is up to 2-3x faster. With many rows (prefill) the
+packed path is slower than plain sgemm, and where the crossover lies depends on the weight's
+shape. So the choice is measured once per weight shape (N, K) at load over power-of-two row
+buckets (`tune_policy`), and each call rounds its row count up to a bucket and looks it up.
+
+Cost: a packed weight is a second copy of the weight (about +100% of the weight memory for
+the layers that pack; ~+0.5 GB for SmolLM2-135M in float32). CPU float32 only: CUDA and
+other dtypes always use plain `F.linear`.
+"""
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+log = logging.getLogger(__name__)
+
+# `--linear-backend`: auto = packed where measured faster (CPU float32), plain elsewhere;
+# packed = packed for every row count up to the last bucket (no measurement); plain = off.
+LINEAR_BACKENDS = ("auto", "packed", "plain")
+
+# Row counts are rounded up to a power of two; above the last bucket (or above a shape's
+# measuring budget, TUNE_MAX_MACS) plain sgemm is used: there the two tie on the shapes seen.
+ROW_BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048
+# A bucket is measured only if rows * N * K stays under this (it bounds the start-up cost:
+# the 49152x576 lm_head is measured up to 256 rows, the decoder's weights up to 2048).
+TUNE_MAX_MACS = 1 << 33
+# MKL lays the packed weight out for this many rows. The hint matters: on SmolLM2's shapes a
+# hint of 256 is at least as fast as plain sgemm from 4 to 2048 rows, while a hint of 8 is
+# up to 1.5x slower than plain from 256 rows on.
+PACK_ROWS_HINT = 256
+# Packed must beat plain by this fraction to be chosen: a tie keeps plain (no extra memory).
+MIN_GAIN = 0.05
+TUNE_ROUNDS = 5
+# Once packed has won and then lost at this many consecutive larger buckets, the larger ones
+# are not measured (past its winning range it only gets worse with more rows); this keeps the
+# lm_head's tuning short. Not before a win: packed often ties at 1-2 rows and wins at 4-32.
+STOP_AFTER_LOSSES = 2
+
+
+@dataclass(frozen=True)
+class PackPolicy:
+    """For one weight shape: whether the packed weight is used at each row bucket."""
+
+    packed_buckets: tuple[bool, ...]  # aligned with ROW_BUCKETS
+
+    def uses_packed(self, rows: int) -> bool:
+        bucket = (rows - 1).bit_length()  # the index of the smallest 2**i >= rows
+        return rows > 0 and bucket < len(self.packed_buckets) and self.packed_buckets[bucket]
+
+    @property
+    def packs_any(self) -> bool:
+        return any(self.packed_buckets)
+
+    def describe(self) -> str:
+        """The row buckets that use the packed weight, e.g. "buckets 1,2,4,8" or "none"."""
+        chosen = [str(ROW_BUCKETS[i]) for i, packed in enumerate(self.packed_buckets) if packed]
+        return ("buckets " + ",".join(chosen)) if chosen else "none"
+
+
+ALWAYS_PACKED = PackPolicy(tuple(True for _ in ROW_BUCKETS))
+NEVER_PACKED = PackPolicy(tuple(False for _ in ROW_BUCKETS))
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """What a packing decision depends on, on one machine (the thread count included)."""
+
+    out_features: int
+    in_features: int
+    has_bias: bool
+    threads: int
+
+
+@dataclass
+class PackedWeight:
+    """A weight packed for MKL, and when to use it (attached to one Linear or LM head)."""
+
+    packed: torch.Tensor  # MKL's opaque packed layout (an mkldnn tensor)
+    policy: PackPolicy
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: PackedWeight | None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias), through the packed weight when its policy says so for
+    x's row count."""
+    if packed is not None:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if packed.policy.uses_packed(rows):
+            return torch.ops.mkl._mkl_linear(x, packed.packed, weight, bias, rows)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -16,9 +112,11 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         )
+        # Set by install_linear_backend (not a buffer: the state dict stays the weights only).
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class MergedLinear(Linear):
@@ -31,3 +129,132 @@ class MergedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(self.out_sizes, dim=-1))
+
+
+# ---- choosing and installing the backend ----
+
+
+def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """MKL's packed sgemm: CPU, float32, a torch built with MKL."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkl.is_available():
+        return False
+    try:
+        torch.ops.mkl._mkl_linear  # noqa: B018 (the lookup raises when the op is missing)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend to install for `requested`: auto falls back to plain where packing cannot
+    run; a forced `packed` that cannot run is an error."""
+    if requested not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear backend {requested!r} "
+                         f"(choose from {', '.join(LINEAR_BACKENDS)})")
+    if requested == "plain" or packing_supported(device, dtype):
+        return requested
+    if requested == "packed":
+        raise ValueError(f"--linear-backend packed needs float32 on a CPU with MKL "
+                         f"(got {dtype} on {device})")
+    return "plain"
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in MKL's packed layout (it serves any row count, fastest near the hint)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+
+def tune_policy(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
+                rounds: int = TUNE_ROUNDS) -> PackPolicy:
+    """Times plain vs packed at each row bucket (interleaved, best of `rounds`, so both see
+    the same machine load) and keeps packed where it wins by MIN_GAIN."""
+    chosen: list[bool] = []
+    losses_after_win = 0
+    generator = torch.Generator().manual_seed(0)  # leaves the global RNG alone
+    for rows in ROW_BUCKETS:
+        if (losses_after_win >= STOP_AFTER_LOSSES
+                or rows * weight.shape[0] * weight.shape[1] > TUNE_MAX_MACS):
+            chosen.append(False)
+            continue
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=generator)
+        plain_s, packed_s = _best_of_interleaved(
+            lambda x=x: F.linear(x, weight, bias),
+            lambda x=x, rows=rows: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows),
+            rounds)
+        wins = packed_s < plain_s * (1 - MIN_GAIN)
+        losses_after_win = 0 if wins else losses_after_win + (1 if any(chosen) else 0)
+        chosen.append(wins)
+    return PackPolicy(tuple(chosen))
+
+
+def _best_of_interleaved(first: Callable[[], object], second: Callable[[], object],
+                         rounds: int) -> tuple[float, float]:
+    best = [float("inf"), float("inf")]
+    first()  # warm-up: first-call allocations are not the steady state
+    second()
+    for _ in range(rounds):
+        for index, run in enumerate((first, second)):
+            start = time.perf_counter()
+            run()
+            best[index] = min(best[index], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+class PolicyCache:
+    """Measured policies by shape. One per process (`POLICIES`): every runner built in the
+    process (tests build many) reuses the measurements, and layers of one shape share one."""
+
+    def __init__(self) -> None:
+        self._policies: dict[GemmShape, PackPolicy] = {}
+
+    def policy(self, shape: GemmShape, weight: torch.Tensor, bias: torch.Tensor | None
+               ) -> PackPolicy:
+        """The cached policy of `shape`, measured on `weight` the first time."""
+        if shape not in self._policies:
+            self._policies[shape] = tune_policy(weight, bias, pack_weight(weight))
+        return self._policies[shape]
+
+
+POLICIES = PolicyCache()
+
+
+def packable_modules(model: nn.Module) -> Iterator[Linear]:
+    """Every projection of the model (the LM head included). The tensor-parallel subclasses
+    have their own forward that ignores `packed`: the runner installs plain for them."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            yield module
+
+
+def install_linear_backend(model: nn.Module, backend: str,
+                           cache: PolicyCache = POLICIES) -> dict[GemmShape, PackPolicy]:
+    """Attaches packed weights to the model's projections per `backend` (a resolved one:
+    plain, packed or auto); returns the policy used for each weight shape."""
+    policies: dict[GemmShape, PackPolicy] = {}
+    extra_bytes = 0
+    with torch.inference_mode():
+        for module in packable_modules(model):
+            module.packed = None
+            if backend == "plain":
+                continue
+            shape, policy = _attach_packed(module, backend, cache)
+            policies[shape] = policy
+            if module.packed is not None:
+                extra_bytes += module.weight.numel() * module.weight.element_size()
+    for shape, policy in policies.items():
+        log.info("linear %dx%d: packed weight at %s", shape.out_features, shape.in_features,
+                 policy.describe())
+    if extra_bytes:
+        log.info("packed weights: %.0f MiB extra", extra_bytes / 2**20)
+    return policies
+
+
+def _attach_packed(module: Linear, backend: str, cache: PolicyCache
+                   ) -> tuple[GemmShape, PackPolicy]:
+    weight, bias = module.weight, module.bias
+    shape = GemmShape(weight.shape[0], weight.shape[1], bias is not None,
+                      torch.get_num_threads())
+    policy = ALWAYS_PACKED if backend == "packed" else cache.policy(shape, weight, bias)
+    if policy.packs_any:
+        module.packed = PackedWeight(pack_weight(weight), policy)
+    return shape, policy

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +16,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # torch's own op: the same arithmetic as Hugging Face's (bit for bit in float32),
+            # one call instead of six (per-op overhead adds up at small decode batches).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Same arithmetic as Hugging Face's (bit for bit), with fewer temporaries.
         dtype = x.dtype
         x32 = x.float()

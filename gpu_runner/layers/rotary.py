@@ -1,12 +1,22 @@
-"""Rotary position embedding (the "rotate half" layout of Hugging Face Llama/Qwen).
+"""Rotary position embedding.
 
 cos/sin are tabulated once for every position up to max_position_embeddings; a forward
-gathers the rows of its tokens' positions, so mixed batches need no per-sequence work.
+gathers the rows of its tokens' positions (a `Rotation`, shared by every layer), so mixed
+batches need no per-sequence work.
+
+Two layouts of a head's dimensions, the same rotation:
+- rotate-half (Hugging Face Llama/Qwen as loaded): pair i is (x[i], x[i + head_dim/2]);
+- interleaved: pair i is (x[2i], x[2i+1]), so a pair is one complex number and the rotation
+  is one complex multiply instead of six real operations. The model reorders its q/k
+  projection rows into this layout once after loading (`LlamaForCausalLM.interleave_rotary`);
+  q.k is unchanged because q and k are permuted alike. float32 only (torch has no bfloat16
+  complex type), so other dtypes keep rotate-half.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -53,10 +63,43 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_half", angles.cos(), persistent=False)
         self.register_buffer("sin_half", angles.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for `positions`, shaped [tokens, 1, head_dim / 2]: computed once
-        per forward and shared by every layer."""
-        return self.cos_half[positions].unsqueeze(1), self.sin_half[positions].unsqueeze(1)
+        # Set by LlamaForCausalLM.interleave_rotary once the q/k rows are reordered.
+        self.interleaved = False
+
+    def rotation(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of the tokens at `positions`: computed once per forward and shared by
+        every layer."""
+        cos = self.cos_half[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
+        sin = self.sin_half[positions].unsqueeze(1)
+        if self.interleaved:
+            return Rotation(cos=None, sin=None, turns=torch.complex(cos.float(), sin.float()))
+        return Rotation(cos=cos, sin=sin, turns=None)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """One forward's rotation: cos/sin rows (rotate-half layout) or unit complex numbers
+    cos + i sin (interleaved layout), each [tokens, 1, head_dim / 2]."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    turns: torch.Tensor | None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] (any strides, last dimension contiguous) -> a new
+        contiguous tensor."""
+        if self.turns is not None:
+            pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+            return torch.view_as_real(pairs * self.turns).flatten(-2)
+        assert self.cos is not None and self.sin is not None
+        return apply_rotary(x, self.cos, self.sin)
+
+
+def interleaving_order(head_dim: int) -> torch.Tensor:
+    """Row order taking one head from rotate-half to interleaved: [0, h, 1, h + 1, ...]
+    with h = head_dim / 2."""
+    half = torch.arange(head_dim // 2)
+    return torch.stack((half, half + head_dim // 2), dim=1).flatten()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from gpu_runner.layers.activation import silu_and_mul
 from gpu_runner.layers.embedding import Embedding, LMHead
 from gpu_runner.layers.linear import Linear, MergedLinear
 from gpu_runner.layers.rms_norm import RMSNorm
-from gpu_runner.layers.rotary import RotaryEmbedding, apply_rotary
+from gpu_runner.layers.rotary import RotaryEmbedding, Rotation, interleaving_order
 
 
 class Attention(nn.Module):
@@ -39,7 +39,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotation: Rotation,
         layer_cache: torch.Tensor,
         plan: Any,  # the backend's plan of this batch
     ) -> torch.Tensor:
@@ -48,17 +48,31 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rotary(self.q_norm(q.view(tokens, self.num_heads, self.head_dim)),
-                             *cos_sin)
-            k = apply_rotary(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)),
-                             *cos_sin)
+            q = rotation.apply(self.q_norm(q.view(tokens, self.num_heads, self.head_dim)))
+            k = rotation.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)))
         else:
             # q and k sit side by side in the fused output: rotate both in one pass.
             heads = self.num_heads + self.num_kv_heads
-            qk = apply_rotary(qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim),
-                              *cos_sin)
+            qk = rotation.apply(qkv[:, : heads * self.head_dim].view(tokens, heads,
+                                                                    self.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return self.o_proj(self.backend.forward(q, k, v, layer_cache, plan))
+
+    def reorder_qk_rows(self, order: torch.Tensor) -> None:
+        """Applies a per-head order of the head dimensions to the q and k projections (and
+        their norms); v and the output projection are untouched."""
+        qk_heads = self.num_heads + self.num_kv_heads
+        head_starts = torch.arange(qk_heads)[:, None] * self.head_dim
+        rows = torch.cat((
+            (head_starts + order[None, :]).flatten(),
+            torch.arange(qk_heads * self.head_dim, self.qkv_proj.weight.shape[0]),
+        )).to(self.qkv_proj.weight.device)
+        self.qkv_proj.weight.data = self.qkv_proj.weight.data.index_select(0, rows)
+        if self.qkv_proj.bias is not None:
+            self.qkv_proj.bias.data = self.qkv_proj.bias.data.index_select(0, rows)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.weight.data = norm.weight.data[order.to(norm.weight.device)]
 
 
 class MLP(nn.Module):
@@ -88,12 +102,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotation: Rotation,
         layer_cache: torch.Tensor,
         plan: Any,  # the backend's plan of this batch
     ) -> torch.Tensor:
         # In place: `hidden` is this forward's own buffer (inference only).
-        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos_sin, layer_cache, plan))
+        hidden.add_(self.self_attn(self.input_layernorm(hidden), rotation, layer_cache, plan))
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
 
 
@@ -115,6 +129,18 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope
         )
 
+    def interleave_rotary(self) -> None:
+        """Switches to the interleaved rotary layout (see layers/rotary.py): reorders every
+        q/k head once, after the weights are loaded. K in the KV cache is then stored in this
+        order too (every attention backend is indifferent to it). float32 only."""
+        if self.rotary.interleaved:
+            return
+        order = interleaving_order(self.config.head_dim)
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.self_attn.reorder_qk_rows(order)
+        self.rotary.interleaved = True
+
     def forward(
         self,
         token_ids: torch.Tensor,  # [tokens]
@@ -124,9 +150,9 @@ class LlamaForCausalLM(nn.Module):
         """Runs every new token through the model; returns logits [sampled seqs, vocab]
         for the tokens at meta.logits_indices only."""
         plan = self.backend.plan(meta)
-        cos_sin = self.rotary.cos_sin(meta.positions)
+        rotation = self.rotary.rotation(meta.positions)
         hidden = self.embed_tokens(token_ids)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, kv_cache[index], plan)
+            hidden = layer(hidden, rotation, kv_cache[index], plan)
         last = hidden[meta.logits_indices]
         return self.lm_head(self.norm(last)).float()

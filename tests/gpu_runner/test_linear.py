@@ -1,0 +1,275 @@
+"""The CPU GEMM dispatch of gpu_runner/layers/linear.py: plain F.linear or MKL-packed weights
+chosen by row count. Oracles: float64 matmuls, hand-computed bucket indices, and
+transformers' greedy generate for the default model run entirely through packed weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from gpu_runner.layers import linear as linear_module
+from gpu_runner.layers.embedding import LMHead
+from gpu_runner.layers.linear import (
+    ALWAYS_PACKED,
+    NEVER_PACKED,
+    ROW_BUCKETS,
+    GemmShape,
+    Linear,
+    MergedLinear,
+    PackedWeight,
+    PackPolicy,
+    PolicyCache,
+    install_linear_backend,
+    linear,
+    pack_weight,
+    packing_supported,
+    resolve_linear_backend,
+)
+from gpu_runner.runner import ModelRunner, RunnerOptions
+from tests.gpu_runner.conftest import Oracle, runner_driver
+from tests.gpu_runner.test_parity import smol_prompts
+
+CPU = torch.device("cpu")
+needs_mkl = pytest.mark.skipif(not packing_supported(CPU, torch.float32),
+                               reason="this torch has no MKL packed sgemm")
+# Two float32 GEMMs of K <= 1536 with O(1) inputs differ from the float64 result by ~1e-5
+# at most; 1e-4 leaves room for either accumulation order, not for a wrong result.
+ATOL = 1e-4
+
+
+def _f64_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+# ---- the bucket lookup (hand-computed) ----
+
+
+@pytest.mark.parametrize(("rows", "bucket"), [
+    (1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (33, 6), (128, 7), (129, 8),
+    (256, 8), (257, 9), (2048, 11),
+])
+def test_rows_round_up_to_a_power_of_two_bucket(rows: int, bucket: int) -> None:
+    only = PackPolicy(tuple(i == bucket for i in range(len(ROW_BUCKETS))))
+    all_but = PackPolicy(tuple(i != bucket for i in range(len(ROW_BUCKETS))))
+    assert only.uses_packed(rows)
+    assert not all_but.uses_packed(rows)
+
+
+def test_no_bucket_beyond_the_last_or_for_zero_rows() -> None:
+    assert ROW_BUCKETS[-1] == 2048
+    assert ALWAYS_PACKED.uses_packed(2048)
+    assert not ALWAYS_PACKED.uses_packed(2049)
+    assert not ALWAYS_PACKED.uses_packed(4096)
+    assert not ALWAYS_PACKED.uses_packed(0)
+    assert not NEVER_PACKED.uses_packed(1)
+
+
+def test_describe_names_the_packed_buckets() -> None:
+    assert PackPolicy((True, True, False, True)).describe() == "buckets 1,2,8"
+    assert NEVER_PACKED.describe() == "none"
+
+
+# ---- numerics: packed == plain == float64 within float32 rounding ----
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [*ROW_BUCKETS, 3, 37, 300, 2049])
+@pytest.mark.parametrize(("out_features", "in_features", "with_bias"),
+                         [(96, 64, False), (64, 160, True), (257, 48, False)])
+def test_packed_matches_float64_at_every_bucket(rows: int, out_features: int,
+                                                in_features: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = PackedWeight(pack_weight(weight), ALWAYS_PACKED)
+    expected = _f64_linear(x, weight, bias).float()
+    torch.testing.assert_close(linear(x, weight, bias, packed), expected, rtol=0, atol=ATOL)
+    torch.testing.assert_close(F.linear(x, weight, bias), expected, rtol=0, atol=ATOL)
+
+
+@needs_mkl
+def test_packed_accepts_a_3d_input() -> None:
+    weight = torch.randn(40, 24)
+    x = torch.randn(2, 3, 24)
+    out = linear(x, weight, None, PackedWeight(pack_weight(weight), ALWAYS_PACKED))
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(out, _f64_linear(x, weight, None).float(), rtol=0, atol=ATOL)
+
+
+# ---- choosing the backend ----
+
+
+def test_auto_never_packs_off_cpu_or_off_float32() -> None:
+    assert resolve_linear_backend("auto", torch.device("cuda"), torch.float32) == "plain"
+    assert resolve_linear_backend("auto", CPU, torch.bfloat16) == "plain"
+    assert resolve_linear_backend("auto", CPU, torch.float16) == "plain"
+    assert resolve_linear_backend("plain", CPU, torch.float32) == "plain"
+
+
+def test_forced_packed_off_cpu_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="float32 on a CPU"):
+        resolve_linear_backend("packed", torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="float32 on a CPU"):
+        resolve_linear_backend("packed", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown linear backend 'fast'"):
+        resolve_linear_backend("fast", CPU, torch.float32)
+
+
+@needs_mkl
+def test_auto_on_cpu_float32_stays_auto() -> None:
+    assert resolve_linear_backend("auto", CPU, torch.float32) == "auto"
+
+
+# ---- installing into a model ----
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = MergedLinear(32, [16, 16], bias=True)
+        self.second = Linear(32, 32)
+        self.third = Linear(32, 32)  # the same shape as `second`: one measurement
+        self.head = LMHead(100, 32)
+        for parameter in self.parameters():
+            parameter.data.normal_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.third(self.second(self.first(x))))
+
+
+def _projections(model: torch.nn.Module) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def test_plain_attaches_nothing_and_equals_f_linear() -> None:
+    model = _TwoLayers()
+    policies = install_linear_backend(model, "plain")
+    assert policies == {}
+    assert all(m.packed is None for m in _projections(model))
+    x = torch.randn(4, 32)
+    expected = F.linear(x, model.first.weight, model.first.bias)
+    assert torch.equal(model.first(x), expected)  # the very same kernel: bitwise equal
+
+
+@needs_mkl
+def test_packed_attaches_to_every_projection_including_the_head() -> None:
+    model = _TwoLayers()
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        expected = model(x)  # nothing installed yet: plain
+        install_linear_backend(model, "packed")
+        assert all(m.packed is not None and m.packed.policy == ALWAYS_PACKED
+                   for m in _projections(model))
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-3)
+        install_linear_backend(model, "plain")  # switching back removes the packed copies
+    assert all(m.packed is None for m in _projections(model))
+
+
+@needs_mkl
+def test_auto_measures_each_shape_once_and_shares_the_policy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[tuple[int, int]] = []
+    chosen = PackPolicy(tuple(rows <= 2 for rows in ROW_BUCKETS))
+
+    def fake_tune(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
+                  ) -> PackPolicy:
+        measured.append(tuple(weight.shape))  # type: ignore[arg-type]
+        return chosen
+
+    monkeypatch.setattr(linear_module, "tune_policy", fake_tune)
+    cache = PolicyCache()
+    model = _TwoLayers()
+    policies = install_linear_backend(model, "auto", cache)
+    assert sorted(measured) == [(32, 32), (32, 32), (100, 32)]  # (32,32) with and w/o bias
+    assert len(policies) == 3
+    assert model.second.packed is not None and model.third.packed is not None
+    assert model.second.packed.policy is model.third.packed.policy
+    install_linear_backend(_TwoLayers(), "auto", cache)  # a second model: all cached
+    assert len(measured) == 3
+
+
+@needs_mkl
+def test_a_shape_that_never_wins_keeps_no_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "tune_policy", lambda *_args: NEVER_PACKED)
+    model = _TwoLayers()
+    install_linear_backend(model, "auto", PolicyCache())
+    assert all(m.packed is None for m in _projections(model))
+
+
+@needs_mkl
+def test_real_tuning_returns_one_decision_per_bucket() -> None:
+    weight = torch.randn(64, 32)
+    policy = linear_module.tune_policy(weight, None, pack_weight(weight), rounds=1)
+    assert len(policy.packed_buckets) == len(ROW_BUCKETS)
+    shape = GemmShape(64, 32, False, torch.get_num_threads())
+    assert shape == GemmShape(64, 32, False, torch.get_num_threads())  # hashable key
+
+
+# ---- the runner ----
+
+
+def _runner(folder: Path, backend: str) -> ModelRunner:
+    return ModelRunner(RunnerOptions(model=str(folder), block_size=16,
+                                     kv_cache_memory=48 << 20, max_model_len=256,
+                                     linear_backend=backend))
+
+
+def test_runner_switch_off_uses_plain(tiny_model_dirs: dict[str, Path]) -> None:
+    runner = _runner(tiny_model_dirs["qwen2"], "plain")
+    assert runner.linear_backend == "plain" and runner.linear_policies == {}
+    assert all(m.packed is None for m in _projections(runner.model))
+
+
+def test_runner_refuses_an_unknown_backend(tiny_model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="unknown linear backend"):
+        _runner(tiny_model_dirs["llama"], "fastest")
+
+
+@needs_mkl
+def test_default_model_through_packed_weights_matches_generate(
+        default_model_dir: Path, smol_oracle: Oracle) -> None:
+    """Every projection packed (whatever auto would pick on this machine): greedy tokens of a
+    mixed batch equal transformers' generate, first-step logits within 1e-4."""
+    runner = _runner(default_model_dir, "packed")
+    assert all(m.packed is not None for m in _projections(runner.model))
+    prompts = smol_prompts(default_model_dir)[:5]  # natural text, as in test_parity
+    steps = 8
+    expected = [smol_oracle.generate(prompt, steps) for prompt in prompts]
+    driver = runner_driver(runner)
+    seqs = [driver.add(prompt) for prompt in prompts]
+    batch, _ = driver.build(seqs)
+    logits = runner.forward_logits(batch)
+    for row, (_, first_logits) in enumerate(expected):
+        torch.testing.assert_close(logits[row], first_logits, rtol=0, atol=1e-4)
+    generated = runner_driver(runner).run_staggered(prompts, steps)
+    assert [seq.generated for seq in generated] == [tokens for tokens, _ in expected]
+
+
+# ---- the interleaved rotary layout (float32 models run in it, see layers/rotary.py) ----
+
+
+def test_interleaved_rotation_equals_rotate_half_reordered() -> None:
+    from gpu_runner.layers.rotary import Rotation, interleaving_order
+
+    generator = torch.Generator().manual_seed(7)
+    tokens, heads, head_dim = 5, 3, 8
+    x = torch.randn(tokens, heads, head_dim, generator=generator)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=generator) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    # Oracle: Hugging Face's rotate-half formula in float64.
+    x64, cos64, sin64 = x.double(), torch.cat((cos, cos), -1).double(), torch.cat((sin, sin), -1)
+    rotated_half = torch.cat((-x64[..., head_dim // 2:], x64[..., : head_dim // 2]), -1)
+    expected = x64 * cos64 + rotated_half * sin64.double()
+    order = interleaving_order(head_dim)
+    assert order.tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    turns = torch.complex(cos, sin)
+    interleaved = Rotation(cos=None, sin=None, turns=turns).apply(x[..., order])
+    torch.testing.assert_close(interleaved.double(), expected[..., order], rtol=0, atol=1e-6)
+    half = Rotation(cos=cos, sin=sin, turns=None).apply(x)
+    torch.testing.assert_close(half.double(), expected, rtol=0, atol=1e-6)
