@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from gpu_runner.attention import cpu_decode
 from gpu_runner.attention.metadata import AttentionMetadata
 
 
@@ -31,6 +32,8 @@ class _Group:
     valid: torch.Tensor  # [seqs, max_q] bool: a real token (not padding)
     out_index: torch.Tensor  # [real tokens] packed index of each valid entry, row-major
     flat_blocks: torch.Tensor  # [seqs * blocks] block ids to gather, row by row
+    block_tables: torch.Tensor  # [seqs, blocks] the same ids as a table (for the C++ kernel)
+    context_lens: torch.Tensor  # [seqs] keys per sequence, the new tokens' included
     mask: torch.Tensor | None  # [seqs, 1, rows, keys] bool (None: plain causal)
     max_q: int
     # Every sequence of the batch, all with max_q tokens: token_index is a plain reshape of
@@ -94,14 +97,17 @@ class TorchAttentionBackend:
         out_index = token_index[valid]
         in_order = len(seqs) == meta.num_seqs and bool(np.all(query_lens == max_q))
         mask = None
+        ctx = torch.from_numpy(meta.context_lens_host[seqs]).to(device)
         if with_mask:
-            ctx = torch.from_numpy(meta.context_lens_host[seqs]).to(device)
             mask = self._mask(ctx, q_lens, offsets, valid, max_blocks * meta.block_size)
+        block_tables = meta.block_tables[seq_index, :max_blocks]
         return _Group(
             token_index=token_index,
             valid=valid,
             out_index=out_index,
-            flat_blocks=meta.block_tables[seq_index, :max_blocks].reshape(-1),
+            flat_blocks=block_tables.reshape(-1),
+            block_tables=block_tables,
+            context_lens=ctx,
             mask=mask,
             max_q=max_q,
             covers_batch_in_order=in_order,
@@ -163,9 +169,14 @@ class TorchAttentionBackend:
 
     def _decode(self, query: torch.Tensor, layer_cache: torch.Tensor, group: _Group
                 ) -> torch.Tensor:
+        q = query if group.covers_batch_in_order else query[group.token_index[:, 0]]
+        # On CPU the C++ kernel reads the blocks in place: no gather, no padding, no SDPA.
+        if cpu_decode.supports(q, layer_cache) and cpu_decode.available():
+            return cpu_decode.paged_decode_attention(
+                q, layer_cache[0], layer_cache[1], group.block_tables, group.context_lens,
+                self.scale)
         keys, values = self._gather_kv(layer_cache, group)
         seqs = keys.shape[0]
-        q = query if group.covers_batch_in_order else query[group.token_index[:, 0]]
         q = q.reshape(seqs, self.num_kv_heads, self.q_per_kv, self.head_dim)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask,
                                              scale=self.scale)

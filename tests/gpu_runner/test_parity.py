@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_runner.attention import cpu_decode
 from gpu_runner.runner import ModelRunner
 from tests.gpu_runner.conftest import Oracle, load_oracle, make_runner, runner_driver
 
@@ -114,6 +115,18 @@ def test_tiny_mixed_batch_matches_generate(
     runner = tiny_runners[(arch, block_size)]
     prompts = random_prompts(TINY_LENGTHS, seed=block_size)
     assert_first_logits(runner, tiny_model_dirs[arch], prompts)
+    assert_mixed_batch_parity(runner, tiny_model_dirs[arch], prompts)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_torch_decode_path_without_the_cpp_kernel_matches_generate(
+    tiny_runners: dict, tiny_model_dirs: dict[str, Path], arch: str,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gather + SDPA decode path, used where the C++ kernel cannot be built."""
+    monkeypatch.setattr(cpu_decode, "supports", lambda query, cache: False)
+    runner = tiny_runners[(arch, 16)]
+    prompts = random_prompts(TINY_LENGTHS, seed=3)
     assert_mixed_batch_parity(runner, tiny_model_dirs[arch], prompts)
 
 
