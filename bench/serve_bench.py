@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
 
 from tqdm import tqdm  # noqa: E402
 
-from bench import workloads  # noqa: E402
+from bench import step_profile, workloads  # noqa: E402
 from bench.ceiling import replay  # noqa: E402
 from bench.peers.child import run_peer  # noqa: E402
 from bench.peers.protocol import PeerRequest  # noqa: E402
@@ -145,8 +145,10 @@ def run_pagewire(args: argparse.Namespace, w1_batches: Path, results: Results) -
     """W1, W2 and W3 through the three services as processes, each saved as it ends; the
     runner's batches of W1 are left in `w1_batches` for the ceiling."""
     record_path = w1_batches.with_suffix(".recording")
+    metrics_port = free_port()
     config = LaunchConfig(
         port=free_port(),
+        metrics_port=metrics_port,
         block_size=BLOCK_SIZE,
         kv_cache_memory=KV_CACHE_BYTES,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
@@ -161,7 +163,11 @@ def run_pagewire(args: argparse.Namespace, w1_batches: Path, results: Results) -
         address = launcher.gateway_address
         _run(address, "warm-up", workloads.offline_throughput(4, seed=99))
         record_path.write_bytes(b"")  # the ceiling replays W1 alone
+        before, bench_cpu_before = step_profile.take_snapshot(metrics_port), time.process_time()
         w1 = _run(address, "W1 pagewire", workloads.offline_throughput())
+        results.set_pagewire("w1_profile", step_profile.profile(
+            before, step_profile.take_snapshot(metrics_port), w1.seconds,
+            time.process_time() - bench_cpu_before))
         # The runner opens the file per batch: later workloads record into a new file.
         record_path.rename(w1_batches)
         results.set_pagewire("w1", {"seconds": w1.seconds, "output_tokens": w1.output_tokens,
@@ -317,6 +323,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = _w1_table(results) + _w2_table(pagewire)
     if "w3" in pagewire:
         lines += _w3_table(pagewire["w3"])
+    if "w1_profile" in pagewire:
+        lines += step_profile.markdown(pagewire["w1_profile"])
     lines += _settings_notes(results)
     return "\n".join(lines) + "\n"
 

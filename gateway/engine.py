@@ -497,14 +497,16 @@ class Engine:
             self._plan_and_run_step()
 
     def _plan_and_run_step(self) -> None:
-        plan = self.scheduler.schedule()
+        with metrics.SCHEDULE_SECONDS.time():
+            plan = self.scheduler.schedule()
         if plan.is_empty:
             time.sleep(_NO_PROGRESS_WAIT_S)
             return
         try:
             response = self._send_step(plan)
-            results = parse_step_response(response, plan.num_ops)
-            outcome = self.scheduler.apply_results(plan, results)
+            with metrics.SCHEDULE_SECONDS.time():
+                results = parse_step_response(response, plan.num_ops)
+                outcome = self.scheduler.apply_results(plan, results)
             if outcome.stale:
                 raise BackendLost("the pool's epoch changed")
             self._apply_outcome(outcome)
@@ -517,7 +519,8 @@ class Engine:
             self.scheduler.abandon(plan)  # every failure resets: keep the queue whole
             raise
         self.scheduler.on_executed(outcome.work)
-        self._take_samples(outcome.work, reply)
+        with metrics.OUTPUT_SECONDS.time():
+            self._take_samples(outcome.work, reply)
 
     def _send_step(self, plan: StepPlan) -> block_pb2.StepResponse:
         assert self.info is not None
@@ -575,6 +578,8 @@ class Engine:
                 reply = self._call(RUNNER, self._runner.Execute, request,
                                    self.retry.execute_timeout_s)
             metrics.RUNNER_SECONDS.observe(reply.total_ms / 1000)
+            metrics.FORWARD_SECONDS.observe(reply.forward_ms / 1000)
+            metrics.SAMPLE_SECONDS.observe(reply.sample_ms / 1000)
             return reply
         except grpc.RpcError as error:
             if error.code() in _LOST:  # type: ignore[attr-defined]

@@ -42,3 +42,20 @@ LOOP_SECONDS = Histogram(
     "pagewire_gateway_step_loop_seconds", "Whole scheduling steps (plan to streamed tokens)",
     buckets=_SECONDS_BUCKETS,
 )
+SCHEDULE_SECONDS = Histogram(
+    "pagewire_gateway_schedule_seconds",
+    "Planning a step and applying the block service's answer to it", buckets=_SECONDS_BUCKETS,
+)
+OUTPUT_SECONDS = Histogram(
+    "pagewire_gateway_output_seconds",
+    "Taking a step's sampled tokens: detokenizing, stop checks, handing deltas to the streams",
+    buckets=_SECONDS_BUCKETS,
+)
+FORWARD_SECONDS = Histogram(
+    "pagewire_gateway_runner_forward_seconds", "The model forward of each batch (forward_ms)",
+    buckets=_SECONDS_BUCKETS,
+)
+SAMPLE_SECONDS = Histogram(
+    "pagewire_gateway_runner_sample_seconds", "Sampling of each batch (sample_ms)",
+    buckets=_SECONDS_BUCKETS,
+)

@@ -1,0 +1,107 @@
+"""Where a serving step's time goes, across the three services, over one workload.
+
+From the gateway's Prometheus metrics (sums of its per-step histograms, read before and after
+the workload) and the CPU time each service process used meanwhile (/proc, Linux only):
+- per step: scheduling (planning + applying the block service's answer), the Step round trip,
+  the Execute round trip and inside it the runner's own time (forward, sampling, the rest:
+  decoding the request, validation, building the batch), and the output (detokenizing, stop
+  checks, handing deltas to the streams);
+- CPU seconds of each process: on a 2-core machine every CPU-second outside the runner is taken
+  from the runner's two threads while a forward runs.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+# Histogram name (without pagewire_gateway_) -> the row it feeds.
+_HISTOGRAMS = {
+    "step_loop_seconds": "whole step",
+    "schedule_seconds": "scheduling",
+    "block_step_seconds": "Step round trip",
+    "execute_seconds": "Execute round trip",
+    "runner_busy_seconds": "runner (its total)",
+    "runner_forward_seconds": "runner: forward",
+    "runner_sample_seconds": "runner: sampling",
+    "output_seconds": "output (detokenize, stream)",
+}
+_SERVICES = ("gpu_runner", "block_service", "gateway")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Histogram sums and counts of the gateway, and CPU seconds per service process."""
+
+    sums: dict[str, float]
+    counts: dict[str, float]
+    cpu_s: dict[str, float]
+
+
+def take_snapshot(metrics_port: int) -> Snapshot:
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            for name in _HISTOGRAMS:
+                prefix = f"pagewire_gateway_{name}_"
+                if line.startswith(prefix + "sum "):
+                    sums[name] = float(line.split()[1])
+                elif line.startswith(prefix + "count "):
+                    counts[name] = float(line.split()[1])
+    return Snapshot(sums, counts, _service_cpu_seconds())
+
+
+def _service_cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds of this process's `python -m <service>` children."""
+    seconds = {name: 0.0 for name in _SERVICES}
+    ticks = os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                command = file.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as file:
+                fields = file.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) != me:  # the parent pid: only the services this bench started
+            continue
+        for name in _SERVICES:
+            if f"-m {name} " in command + " ":
+                seconds[name] += (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
+
+
+def profile(before: Snapshot, after: Snapshot, wall_s: float, bench_cpu_s: float
+            ) -> dict[str, Any]:
+    """Per-step milliseconds of each row, and CPU seconds per process, between two snapshots."""
+    steps = after.counts.get("step_loop_seconds", 0.0) - before.counts.get("step_loop_seconds",
+                                                                           0.0)
+    per_step_ms = {
+        label: (after.sums.get(name, 0.0) - before.sums.get(name, 0.0)) * 1e3 / max(steps, 1.0)
+        for name, label in _HISTOGRAMS.items()
+    }
+    cpu_s = {name: after.cpu_s[name] - before.cpu_s[name] for name in _SERVICES}
+    cpu_s["bench client"] = bench_cpu_s
+    return {"steps": steps, "wall_s": wall_s, "per_step_ms": per_step_ms, "cpu_s": cpu_s}
+
+
+def markdown(row: dict[str, Any]) -> list[str]:
+    per_step = row["per_step_ms"]
+    lines = ["", f"Step-loop profile of W1 ({row['steps']:.0f} steps in {row['wall_s']:.1f} s; "
+             "the gateway's metrics, mean ms per step):", "",
+             "| part | ms per step |", "|---|---:|"]
+    lines += [f"| {label} | {ms:.2f} |" for label, ms in per_step.items()]
+    rest = per_step["runner (its total)"] - per_step["runner: forward"] \
+        - per_step["runner: sampling"]
+    transport = per_step["Execute round trip"] - per_step["runner (its total)"]
+    lines += [f"| runner: request decoding, validation, batch building | {rest:.2f} |",
+              f"| Execute transport (round trip − runner total) | {transport:.2f} |",
+              "", "CPU seconds used during W1, per process:", "",
+              "| process | CPU s |", "|---|---:|"]
+    lines += [f"| {name} | {seconds:.2f} |" for name, seconds in row["cpu_s"].items()]
+    return lines
