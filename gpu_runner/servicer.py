@@ -3,7 +3,10 @@
 - Info: the runner's description (UNAVAILABLE until the model is loaded).
 - Execute: FAILED_PRECONDITION for another epoch; INVALID_ARGUMENT for a malformed batch
   (nothing written); a retried (client_id, step_id) gets its first answer again. One lock
-  serialises batches: the KV cache has one writer.
+  serialises batches: the KV cache has one writer. Batches run on one dedicated thread, not on
+  whichever gRPC worker took the call: torch's OpenMP thread team belongs to the OS thread that
+  opens a parallel region, so forwards started from ever-different threads would each bring up
+  (and leave spinning) a team of their own on a machine with no core to spare.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -69,6 +73,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         self._lock = threading.Lock()
         self._retries = RetryCache()
         self._recorder = recorder
+        self._forward_thread = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="runner-forward")
 
     def set_runner(self, runner: ModelRunner) -> None:
         self._runner = runner
@@ -115,7 +121,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                 if not context.is_active():
                     # The caller gave up (deadline or cancel) while waiting for the lock.
                     context.abort(grpc.StatusCode.CANCELLED, "the call ended before execution")
-                result = runner.execute(ExecuteBatch.from_proto(request))
+                batch = ExecuteBatch.from_proto(request)
+                result = self._forward_thread.submit(runner.execute, batch).result()
             except BatchError as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except WorkerLostError as error:
