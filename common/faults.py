@@ -62,7 +62,8 @@ class DelayInterceptor(UnaryInterceptor):
         handler = continuation(details)
         if handler is None or handler.stream_stream is None or \
                 not self.applies_to(details.method):
-            return super().intercept_service(continuation, details)
+            # The handler is already resolved: the unary path need not ask for it again.
+            return super().intercept_service(lambda _: handler, details)
         return grpc.stream_stream_rpc_method_handler(
             self._wrap_stream(handler.stream_stream),
             request_deserializer=handler.request_deserializer,

@@ -159,13 +159,13 @@ class ModelRunner:
         self.epoch = new_epoch()
         self.graphs = self._capture_graphs()
         # Built (or loaded from its cache) now rather than in the first decode step.
-        self.cpu_decode_kernel = (self.backend_name == "torch" and self.dtype == torch.float32
-                                  and cpu_decode.available(self.device))
+        decode_kernel = (self.backend_name == "torch" and self.dtype == torch.float32
+                         and cpu_decode.available(self.device))
         log.info("model %s (%s) on %s/%s: %d blocks of %d tokens, max_model_len %d, "
                  "linear backend %s, attention %s%s", self.folder.name,
                  self.config.architecture, self.device, _dtype_name(self.dtype),
                  self.num_blocks, self.block_size, self.max_model_len, self.linear_backend,
-                 self.backend_name, " (C++ decode kernel)" if self.cpu_decode_kernel else "")
+                 self.backend_name, " (C++ decode kernel)" if decode_kernel else "")
 
     # ---- start-up ----
 
