@@ -77,6 +77,15 @@ def _bidi_stream(
     return handle
 
 
+# (client streaming, server streaming) -> the grpc handler factory and our wrapper for it.
+_HANDLER_KINDS: dict[tuple[bool, bool],
+                     tuple[Callable[..., grpc.RpcMethodHandler], Callable[..., Any]]] = {
+    (False, False): (grpc.unary_unary_rpc_method_handler, _unary),
+    (False, True): (grpc.unary_stream_rpc_method_handler, _server_stream),
+    (True, True): (grpc.stream_stream_rpc_method_handler, _bidi_stream),
+}
+
+
 def lenient_handlers(
     servicer: object, service: ServiceDescriptor, messages: ModuleType
 ) -> grpc.GenericRpcHandler:
@@ -90,13 +99,7 @@ def lenient_handlers(
         behavior = getattr(servicer, method.name)
         if method.client_streaming and not method.server_streaming:
             raise ValueError(f"{method.full_name}: client streaming is not supported")
-        kinds: dict[tuple[bool, bool], tuple[Callable[..., grpc.RpcMethodHandler],
-                                             Callable[..., Any]]] = {
-            (False, False): (grpc.unary_unary_rpc_method_handler, _unary),
-            (False, True): (grpc.unary_stream_rpc_method_handler, _server_stream),
-            (True, True): (grpc.stream_stream_rpc_method_handler, _bidi_stream),
-        }
-        make, wrap = kinds[(method.client_streaming, method.server_streaming)]
+        make, wrap = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             wrap(behavior),
             request_deserializer=lenient_parser(request_class),

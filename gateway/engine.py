@@ -497,16 +497,20 @@ class Engine:
             self._plan_and_run_step()
 
     def _plan_and_run_step(self) -> None:
-        with metrics.SCHEDULE_SECONDS.time():
-            plan = self.scheduler.schedule()
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        planning_s = time.perf_counter() - started
         if plan.is_empty:
             time.sleep(_NO_PROGRESS_WAIT_S)
             return
         try:
             response = self._send_step(plan)
-            with metrics.SCHEDULE_SECONDS.time():
-                results = parse_step_response(response, plan.num_ops)
-                outcome = self.scheduler.apply_results(plan, results)
+            started = time.perf_counter()
+            results = parse_step_response(response, plan.num_ops)
+            outcome = self.scheduler.apply_results(plan, results)
+            # One observation per step sent: planning plus applying the answer (idle polls
+            # of an empty queue are not steps).
+            metrics.SCHEDULE_SECONDS.observe(planning_s + time.perf_counter() - started)
             if outcome.stale:
                 raise BackendLost("the pool's epoch changed")
             self._apply_outcome(outcome)
