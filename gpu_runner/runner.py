@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from common.model_store import resolve_model
-from gpu_runner.attention import cpu_decode
+from gpu_runner import cpu_kernels
 from gpu_runner.attention.selection import (
     AttentionBackend,
     choose_backend,
@@ -158,14 +158,14 @@ class ModelRunner:
         )
         self.epoch = new_epoch()
         self.graphs = self._capture_graphs()
-        # Built (or loaded from its cache) now rather than in the first decode step.
-        decode_kernel = (self.backend_name == "torch" and self.dtype == torch.float32
-                         and cpu_decode.available(self.device))
+        # Built (or loaded from its cache) now rather than in the first step.
+        cpu_kernel = (self.backend_name == "torch" and self.dtype == torch.float32
+                      and cpu_kernels.available(self.device))
         log.info("model %s (%s) on %s/%s: %d blocks of %d tokens, max_model_len %d, "
                  "linear backend %s, attention %s%s", self.folder.name,
                  self.config.architecture, self.device, _dtype_name(self.dtype),
                  self.num_blocks, self.block_size, self.max_model_len, self.linear_backend,
-                 self.backend_name, " (C++ decode kernel)" if decode_kernel else "")
+                 self.backend_name, " (C++ paged attention kernel)" if cpu_kernel else "")
 
     # ---- start-up ----
 

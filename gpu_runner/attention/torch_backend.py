@@ -1,26 +1,30 @@
 """Paged attention in plain torch: the CPU path and the reference for faster backends.
 
-Per layer the new tokens' K/V are first written at their slots. Then the batch's sequences
-are attended in up to three padded groups, each one batched call:
+Per layer the new tokens' K/V are first written at their slots. On the CPU in float32 the
+C++ kernel (gpu_runner/cpu_kernels.py) then attends every sequence in one call, reading the
+cache in place. Elsewhere (or when the kernel cannot be built) the batch's sequences are
+attended in up to three padded groups, each one batched call:
 - decode: sequences with one new token (decodes, one-token chunks); their blocks are gathered
   and the query rows of a KV head attend together (no K/V repetition for GQA);
 - fresh prefill: prompts starting at position 0; they attend to their own new K/V with a
   causal mask only (no gather from the cache);
 - continued prefill: chunks after a cached prefix or an earlier chunk; their blocks are
   gathered and an explicit causal mask offsets each query by its start position.
-The gathers, masks and padding indices do not depend on the layer: `plan` builds them once
-per batch. No Python loop runs over tokens or sequences.
+The gathers, masks and padding indices do not depend on the layer: the plan builds them once
+per batch, on first use (the kernel needs none of them). No Python loop runs over tokens or
+sequences.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
-from gpu_runner.attention import cpu_decode
+from gpu_runner import cpu_kernels
 from gpu_runner.attention.metadata import AttentionMetadata
 
 
@@ -32,7 +36,6 @@ class _Group:
     valid: torch.Tensor  # [seqs, max_q] bool: a real token (not padding)
     out_index: torch.Tensor  # [real tokens] packed index of each valid entry, row-major
     flat_blocks: torch.Tensor  # [seqs * blocks] block ids to gather, row by row
-    block_tables: torch.Tensor  # [seqs, blocks] the same ids as a table (for the C++ kernel)
     context_lens: torch.Tensor  # [seqs] keys per sequence, the new tokens' included
     mask: torch.Tensor | None  # [seqs, 1, rows, keys] bool (None: plain causal)
     max_q: int
@@ -42,14 +45,25 @@ class _Group:
 
 
 @dataclass(frozen=True)
-class TorchAttentionPlan:
-    """Everything the layers of one forward share."""
+class _Groups:
+    """The batch's sequences by kind (None: the batch has none of that kind)."""
 
-    slot_mapping: torch.Tensor
-    num_tokens: int
     decode: _Group | None
     fresh: _Group | None
     continued: _Group | None
+
+
+class TorchAttentionPlan:
+    """Everything the layers of one forward share."""
+
+    def __init__(self, backend: TorchAttentionBackend, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self._backend = backend
+
+    @cached_property
+    def groups(self) -> _Groups:
+        """The padded groups of the torch path: built on the first layer that needs them."""
+        return self._backend.group_sequences(self.meta)
 
 
 class TorchAttentionBackend:
@@ -67,14 +81,15 @@ class TorchAttentionBackend:
     # ---- planning (once per batch) ----
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
+        return TorchAttentionPlan(self, meta)
+
+    def group_sequences(self, meta: AttentionMetadata) -> _Groups:
         query_lens = meta.query_lens_host
         starts = meta.context_lens_host - query_lens
         single = query_lens == 1
         fresh = ~single & (starts == 0)
         continued = ~single & (starts > 0)
-        return TorchAttentionPlan(
-            slot_mapping=meta.slot_mapping,
-            num_tokens=meta.num_tokens,
+        return _Groups(
             decode=self._group(meta, np.nonzero(single)[0], with_mask=True),
             fresh=self._group(meta, np.nonzero(fresh)[0], with_mask=False),
             continued=self._group(meta, np.nonzero(continued)[0], with_mask=True),
@@ -100,13 +115,12 @@ class TorchAttentionBackend:
         ctx = torch.from_numpy(meta.context_lens_host[seqs]).to(device)
         if with_mask:
             mask = self._mask(ctx, q_lens, offsets, valid, max_blocks * meta.block_size)
-        block_tables = meta.block_tables[seq_index, :max_blocks]
+        flat_blocks = meta.block_tables[seq_index, :max_blocks].reshape(-1)
         return _Group(
             token_index=token_index,
             valid=valid,
             out_index=out_index,
-            flat_blocks=block_tables.reshape(-1),
-            block_tables=block_tables,
+            flat_blocks=flat_blocks,
             context_lens=ctx,
             mask=mask,
             max_q=max_q,
@@ -137,22 +151,34 @@ class TorchAttentionBackend:
         plan: TorchAttentionPlan,
     ) -> torch.Tensor:
         """Returns [tokens, heads * head_dim]."""
-        store_kv(layer_cache, key, value, plan.slot_mapping)
-        parts = []
-        if plan.decode is not None:
-            parts.append((plan.decode, self._decode(query, layer_cache, plan.decode)))
-        if plan.fresh is not None:
-            parts.append((plan.fresh, self._fresh_prefill(query, key, value, plan.fresh)))
-        if plan.continued is not None:
-            parts.append((plan.continued,
-                          self._continued_prefill(query, layer_cache, plan.continued)))
-        if len(parts) == 1 and parts[0][0].covers_batch_in_order:
-            out = parts[0][1]
+        meta = plan.meta
+        store_kv(layer_cache, key, value, meta.slot_mapping)
+        if cpu_kernels.supports(query, layer_cache) and cpu_kernels.available():
+            out = cpu_kernels.paged_attention(
+                query, layer_cache[0], layer_cache[1], meta.block_tables, meta.context_lens,
+                meta.query_start_locs, self.scale)
         else:
-            out = query.new_empty(plan.num_tokens, self.num_heads, self.head_dim)
-            for group, result in parts:
-                out.index_copy_(0, group.out_index, result)
-        return out.reshape(plan.num_tokens, self.num_heads * self.head_dim)
+            out = self._attend_groups(query, key, value, layer_cache, plan.groups,
+                                      meta.num_tokens)
+        return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
+
+    def _attend_groups(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       layer_cache: torch.Tensor, groups: _Groups, num_tokens: int
+                       ) -> torch.Tensor:
+        parts = []
+        if groups.decode is not None:
+            parts.append((groups.decode, self._decode(query, layer_cache, groups.decode)))
+        if groups.fresh is not None:
+            parts.append((groups.fresh, self._fresh_prefill(query, key, value, groups.fresh)))
+        if groups.continued is not None:
+            parts.append((groups.continued,
+                          self._continued_prefill(query, layer_cache, groups.continued)))
+        if len(parts) == 1 and parts[0][0].covers_batch_in_order:
+            return parts[0][1]
+        out = query.new_empty(num_tokens, self.num_heads, self.head_dim)
+        for group, result in parts:
+            out.index_copy_(0, group.out_index, result)
+        return out
 
     def _gather_kv(self, layer_cache: torch.Tensor, group: _Group
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,11 +196,6 @@ class TorchAttentionBackend:
     def _decode(self, query: torch.Tensor, layer_cache: torch.Tensor, group: _Group
                 ) -> torch.Tensor:
         q = query if group.covers_batch_in_order else query[group.token_index[:, 0]]
-        # On CPU the C++ kernel reads the blocks in place: no gather, no padding, no SDPA.
-        if cpu_decode.supports(q, layer_cache) and cpu_decode.available():
-            return cpu_decode.paged_decode_attention(
-                q, layer_cache[0], layer_cache[1], group.block_tables, group.context_lens,
-                self.scale)
         keys, values = self._gather_kv(layer_cache, group)
         seqs = keys.shape[0]
         q = q.reshape(seqs, self.num_kv_heads, self.q_per_kv, self.head_dim)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_runner.attention import cpu_decode
+from gpu_runner import cpu_kernels
 from gpu_runner.runner import ModelRunner
 from tests.gpu_runner.conftest import Oracle, load_oracle, make_runner, runner_driver
 
@@ -124,7 +124,7 @@ def test_torch_decode_path_without_the_cpp_kernel_matches_generate(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The gather + SDPA decode path, used where the C++ kernel cannot be built."""
-    monkeypatch.setattr(cpu_decode, "supports", lambda query, cache: False)
+    monkeypatch.setattr(cpu_kernels, "supports", lambda query, cache: False)
     runner = tiny_runners[(arch, 16)]
     prompts = random_prompts(TINY_LENGTHS, seed=3)
     assert_mixed_batch_parity(runner, tiny_model_dirs[arch], prompts)

@@ -1,8 +1,9 @@
-"""Paged decode attention on the CPU with a C++ kernel that reads the KV cache in place.
+"""C++ kernels for the CPU: paged attention that reads the KV cache in place.
 
 The torch path gathers every sequence's blocks into padded tensors and runs SDPA over them;
-on CPU both the gather and SDPA (poor at a few query rows per KV head) dominate a decode step.
-The kernel in csrc/paged_decode.cpp walks each sequence's block table instead.
+on CPU the gather, the padding and SDPA (poor at a few query rows per KV head) dominate a
+decode step and a good part of a prefill. The kernel in csrc/paged_attention.cpp walks each
+sequence's block table instead, for decodes, fresh prompts and continued chunks alike.
 
 It is built on first use with torch.utils.cpp_extension (JIT, cached in the default torch
 extensions folder, so later processes only load it). It is compiled with -march=native: the
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -47,7 +48,7 @@ def _build() -> ModuleType:
     from torch.utils import cpp_extension  # imported here: it is slow and pulls setuptools
 
     return cpp_extension.load(
-        name=f"pagewire_paged_decode_{_cpu_fingerprint()}",
+        name=f"pagewire_cpu_kernels_{_cpu_fingerprint()}",
         sources=[str(_SOURCE)],
         extra_cflags=_CFLAGS,
         extra_ldflags=_LDFLAGS,
@@ -66,7 +67,7 @@ def _load() -> ModuleType | None:
                 _module = _build()
             except Exception as error:  # any build or load failure means: use the torch path
                 _failure = f"{type(error).__name__}: {error}".strip()
-                log.warning("C++ paged decode attention unavailable, using the torch path: %s",
+                log.warning("C++ CPU kernels unavailable, using the torch path: %s",
                             _failure[:2000])
     return _module
 
@@ -89,23 +90,26 @@ def supports(query: torch.Tensor, cache: torch.Tensor) -> bool:
             and cache.dtype == torch.float32)
 
 
-def paged_decode_attention(
-    query: torch.Tensor,  # [seqs, heads, head_dim] float32; head_dim contiguous
+def paged_attention(
+    query: torch.Tensor,  # [tokens, heads, head_dim] float32; head_dim contiguous
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32
     value_cache: torch.Tensor,  # same shape as key_cache
-    block_tables: torch.Tensor,  # [seqs, max_blocks] int32/int64; entries past a context ignored
-    context_lens: torch.Tensor,  # [seqs] int: keys per sequence, including the new token's
+    block_tables: torch.Tensor,  # [seqs, max_blocks] int; entries past a context ignored
+    context_lens: torch.Tensor,  # [seqs] int: keys per sequence, its new tokens' included
+    query_start_locs: torch.Tensor,  # [seqs + 1] int: sequence i's tokens are rows [s_i, s_i+1)
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence attends over its first context_lens keys.
+    """The new tokens of each sequence attend causally over its first context_lens keys: new
+    token j of a sequence with n new tokens sits at position context_len - n + j and sees the
+    keys up to it. Their K/V must already be in the cache.
 
-    Returns [seqs, heads, head_dim]. Query head h uses KV head h // (heads // kv_heads).
+    Returns [tokens, heads, head_dim]. Query head h uses KV head h // (heads // kv_heads).
     Raises RuntimeError when the kernel is unavailable or the inputs are invalid.
     """
     module = _load()
     if module is None:
-        raise RuntimeError(f"C++ paged decode attention unavailable: {_failure}")
+        raise RuntimeError(f"C++ CPU kernels unavailable: {_failure}")
     if query.stride(-1) != 1:
         query = query.contiguous()
-    return module.paged_decode_attention(query, key_cache, value_cache, block_tables,
-                                         context_lens, float(scale))
+    return module.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                  query_start_locs, float(scale))

@@ -1,8 +1,9 @@
-"""The C++ paged decode kernel against a plain per-sequence reference.
+"""The C++ paged attention kernel against a plain per-token reference.
 
-The reference gathers one sequence's keys in Python through its block table and computes
-softmax(q k^T * scale) v in float64: independent of the kernel's block walking, GQA mapping
-and softmax. Every cache slot the kernel must not read holds NaN, so reading one shows.
+The reference gathers one sequence's keys in Python through its block table and computes,
+for each new token, softmax(q k^T * scale) v over the keys up to its own position, in
+float64: independent of the kernel's block walking, tiling, GQA mapping, causal limits and
+softmax. Every cache slot the kernel must not read holds NaN, so reading one shows.
 """
 
 from __future__ import annotations
@@ -13,28 +14,30 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu_runner.attention import cpu_decode
+from gpu_runner import cpu_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel() -> None:
-    if not cpu_decode.available():
-        pytest.skip(f"C++ paged decode kernel unavailable: {cpu_decode.failure_reason()}")
+    if not cpu_kernels.available():
+        pytest.skip(f"C++ CPU kernels unavailable: {cpu_kernels.failure_reason()}")
 
 
 @dataclass
 class Case:
-    query: torch.Tensor  # [seqs, heads, dim]
+    query: torch.Tensor  # [tokens, heads, dim]
     layer_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, dim]
     block_tables: torch.Tensor  # [seqs, max_blocks]
     context_lens: torch.Tensor  # [seqs]
+    query_start_locs: torch.Tensor  # [seqs + 1]
     scale: float
 
 
 def make_case(context_lens: Sequence[int], heads: int, kv_heads: int, dim: int,
               block_size: int, seed: int = 0, spare_blocks: int = 3, pad_blocks: int = 2,
-              pad_id: int | None = None) -> Case:
-    """Blocks are handed out in a shuffled order (non-contiguous ids); each table gets
+              pad_id: int | None = None, new_tokens: Sequence[int] | None = None) -> Case:
+    """Sequence i has new_tokens[i] query tokens (default: 1, a decode) at the end of its
+    context. Blocks are handed out in a shuffled order (non-contiguous ids); each table gets
     `pad_blocks` entries past its context pointing at NaN blocks (or at `pad_id`)."""
     gen = torch.Generator().manual_seed(seed)
     needed = [(n + block_size - 1) // block_size for n in context_lens]
@@ -54,34 +57,41 @@ def make_case(context_lens: Sequence[int], heads: int, kv_heads: int, dim: int,
         for pos in range(length):  # only real tokens get values; the rest stays NaN
             cache[:, ids[pos // block_size], pos % block_size] = torch.randn(
                 2, kv_heads, dim, generator=gen)
-    query = torch.randn(len(context_lens), heads, dim, generator=gen)
-    return Case(query, cache, tables, torch.tensor(context_lens), dim**-0.5)
+    new = [1] * len(context_lens) if new_tokens is None else list(new_tokens)
+    starts = torch.tensor([0, *new]).cumsum(0)
+    query = torch.randn(sum(new), heads, dim, generator=gen)
+    return Case(query, cache, tables, torch.tensor(context_lens), starts, dim**-0.5)
 
 
 def reference(case: Case) -> torch.Tensor:
-    """softmax(q k^T * scale) v per sequence and head, in float64."""
-    seqs, heads, dim = case.query.shape
+    """softmax(q k^T * scale) v per new token and head over the keys up to the token's
+    position, in float64."""
+    tokens, heads, dim = case.query.shape
     block_size, kv_heads = case.layer_cache.shape[2], case.layer_cache.shape[3]
     group = heads // kv_heads
-    out = torch.empty(seqs, heads, dim, dtype=torch.float64)
-    for seq in range(seqs):
+    out = torch.empty(tokens, heads, dim, dtype=torch.float64)
+    for seq in range(len(case.context_lens)):
         length = int(case.context_lens[seq])
+        first, end = int(case.query_start_locs[seq]), int(case.query_start_locs[seq + 1])
         positions = torch.arange(length)
         blocks = case.block_tables[seq, positions // block_size]
         keys = case.layer_cache[0, blocks, positions % block_size].double()  # [len, kv, dim]
         values = case.layer_cache[1, blocks, positions % block_size].double()
-        for head in range(heads):
-            kv = head // group
-            scores = keys[:, kv] @ case.query[seq, head].double() * case.scale
-            out[seq, head] = torch.softmax(scores, dim=0) @ values[:, kv]
+        for token in range(first, end):
+            seen = length - (end - token) + 1  # keys up to this token's own position
+            for head in range(heads):
+                kv = head // group
+                scores = keys[:seen, kv] @ case.query[token, head].double() * case.scale
+                out[token, head] = torch.softmax(scores, dim=0) @ values[:seen, kv]
     return out
 
 
 def run_kernel(case: Case, query: torch.Tensor | None = None,
                tables: torch.Tensor | None = None) -> torch.Tensor:
-    return cpu_decode.paged_decode_attention(
+    return cpu_kernels.paged_attention(
         case.query if query is None else query, case.layer_cache[0], case.layer_cache[1],
-        case.block_tables if tables is None else tables, case.context_lens, case.scale)
+        case.block_tables if tables is None else tables, case.context_lens,
+        case.query_start_locs, case.scale)
 
 
 def assert_matches(case: Case, out: torch.Tensor) -> None:
@@ -89,7 +99,7 @@ def assert_matches(case: Case, out: torch.Tensor) -> None:
     torch.testing.assert_close(out.double(), reference(case), rtol=1e-5, atol=1e-5)
 
 
-SHAPES = {"gqa_smollm2": (9, 3, 64), "mha": (4, 4, 32)}
+SHAPES = {"gqa_smollm2": (9, 3, 64), "mha": (4, 4, 32), "dim128": (4, 2, 128)}
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
@@ -111,9 +121,9 @@ def test_mixed_lengths_in_one_batch(shape: tuple[int, int, int], block_size: int
 
 
 def test_odd_head_dim_and_group_size() -> None:
-    # head_dim 40 = two full vector steps + a scalar tail; 5 query heads per KV head = a tile
-    # of 4 rows + a tile of 1.
-    case = make_case([1, 17, 45], 10, 2, 40, block_size=16, seed=3)
+    # head_dim 40 = two full vector steps + a scalar tail; 5 query heads per KV head make row
+    # groups of 4 that straddle tokens.
+    case = make_case([1, 17, 45], 10, 2, 40, block_size=16, seed=3, new_tokens=[1, 3, 19])
     assert_matches(case, run_kernel(case))
 
 
@@ -121,6 +131,32 @@ def test_many_sequences_across_threads() -> None:
     gen = torch.Generator().manual_seed(5)
     lengths = torch.randint(1, 400, (40,), generator=gen).tolist()
     case = make_case(lengths, 9, 3, 64, block_size=16, seed=5)
+    assert_matches(case, run_kernel(case))
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("new_tokens", [2, 15, 16, 17, 40])
+def test_fresh_prompts(shape: tuple[int, int, int], new_tokens: int) -> None:
+    # Every key is new: each token sees the prompt up to itself (tiles of 16 tokens split
+    # at 15/16/17 and 40).
+    case = make_case([new_tokens, new_tokens + 3], *shape, block_size=16, seed=new_tokens,
+                     new_tokens=[new_tokens, new_tokens + 3])
+    assert_matches(case, run_kernel(case))
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_chunks_after_a_cached_prefix(block_size: int) -> None:
+    case = make_case([40, 300, 17], 9, 3, 64, block_size=block_size, seed=7,
+                     new_tokens=[8, 100, 17])
+    assert_matches(case, run_kernel(case))
+
+
+def test_decodes_prompts_and_chunks_in_one_batch() -> None:
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.randint(20, 300, (12,), generator=gen).tolist()
+    new = [1 if i % 3 == 0 else length if i % 3 == 1 else length // 2
+           for i, length in enumerate(lengths)]
+    case = make_case(lengths, 9, 3, 64, block_size=16, seed=11, new_tokens=new)
     assert_matches(case, run_kernel(case))
 
 
@@ -156,9 +192,9 @@ def test_large_scores_stay_finite() -> None:
 def test_float64_is_refused() -> None:
     case = make_case([4], 9, 3, 64, block_size=16)
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_decode.paged_decode_attention(case.query.double(), case.layer_cache[0].double(),
-                                          case.layer_cache[1].double(), case.block_tables,
-                                          case.context_lens, case.scale)
+        cpu_kernels.paged_attention(case.query.double(), case.layer_cache[0].double(),
+                                    case.layer_cache[1].double(), case.block_tables,
+                                    case.context_lens, case.query_start_locs, case.scale)
 
 
 @pytest.mark.parametrize("bad_id", [-1, 10_000])
@@ -174,7 +210,22 @@ def test_block_id_out_of_range_is_refused(bad_id: int) -> None:
 def test_context_length_out_of_range_is_refused(length: int) -> None:
     case = make_case([20], 9, 3, 64, block_size=16)
     case.context_lens = torch.tensor([length])
-    with pytest.raises(RuntimeError, match="context_lens"):
+    with pytest.raises(RuntimeError, match="context"):
+        run_kernel(case)
+
+
+def test_more_new_tokens_than_context_is_refused() -> None:
+    case = make_case([20], 9, 3, 64, block_size=16, new_tokens=[20])
+    case.context_lens = torch.tensor([19])
+    with pytest.raises(RuntimeError, match="new tokens"):
+        run_kernel(case)
+
+
+@pytest.mark.parametrize("starts", [[0, 0, 5], [0, 4, 6], [1, 3, 5], [0, 6, 5]])
+def test_bad_query_start_locs_are_refused(starts: list[int]) -> None:
+    case = make_case([20, 20], 9, 3, 64, block_size=16, new_tokens=[3, 2])
+    case.query_start_locs = torch.tensor(starts)
+    with pytest.raises(RuntimeError, match=r"new tokens|query_start_locs"):
         run_kernel(case)
 
 
@@ -185,4 +236,4 @@ def test_heads_not_a_multiple_of_kv_heads_is_refused() -> None:
 
 
 def test_not_available_off_cpu() -> None:
-    assert not cpu_decode.available("meta")
+    assert not cpu_kernels.available("meta")
