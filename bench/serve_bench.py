@@ -8,7 +8,9 @@
 Workloads (bench/workloads.py, seeded): W1 offline throughput, W2 shared prefix with prefix
 caching on and off, W3 online Poisson arrivals. Peers on W1: transformers static batching,
 transformers continuous batching, vLLM CPU (when `make bench-peers` installed it), and the
-ceiling: pagewire's own runner replaying the very batches of the W1 run in-process.
+ceiling: pagewire's own runner replaying the very batches of the W1 run in-process, right
+after W1 (the services are up and idle meanwhile), so that the efficiency compares two
+measurements taken a minute apart: this machine's speed drifts by tens of percent over minutes.
 
 Each peer runs in its own child process under a time limit (--peer-timeout, model loading
 included): a peer that hangs or crashes is stopped and shows in the table as "timed out after
@@ -141,10 +143,10 @@ def _latency_row(summary: RunSummary) -> dict[str, float]:
     }
 
 
-def run_pagewire(args: argparse.Namespace, w1_batches: Path, results: Results) -> None:
-    """W1, W2 and W3 through the three services as processes, each saved as it ends; the
-    runner's batches of W1 are left in `w1_batches` for the ceiling."""
-    record_path = w1_batches.with_suffix(".recording")
+def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) -> None:
+    """W1, W2 and W3 through the three services as processes, each saved as it ends; with the
+    ceiling selected, the runner's batches of W1 are replayed right after W1."""
+    record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.recording"
     metrics_port = free_port()
     config = LaunchConfig(
         port=free_port(),
@@ -169,9 +171,11 @@ def run_pagewire(args: argparse.Namespace, w1_batches: Path, results: Results) -
             before, step_profile.take_snapshot(metrics_port), w1.seconds,
             time.process_time() - bench_cpu_before))
         # The runner opens the file per batch: later workloads record into a new file.
-        record_path.rename(w1_batches)
+        w1_batches = record_path.rename(record_path.with_suffix(".w1"))
         results.set_pagewire("w1", {"seconds": w1.seconds, "output_tokens": w1.output_tokens,
                                     "tokens_per_s": w1.tokens_per_s})
+        if "ceiling" in args.stages:
+            results.set_ceiling(run_ceiling(model_dir, w1_batches, w1.output_tokens))
         shared = workloads.shared_prefix()
         # Off: a unique cache salt per request, so no request can reuse another's blocks.
         off = [replace(r, cache_salt=f"off-{i}") for i, r in enumerate(shared)]
@@ -387,15 +391,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _run_pagewire_and_ceiling(args: argparse.Namespace, model_dir: Path,
-                              results: Results) -> None:
-    record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.bin"
-    run_pagewire(args, record_path, results)
-    if "ceiling" in args.stages:
-        output_tokens = results.data["pagewire"]["w1"]["output_tokens"]
-        results.set_ceiling(run_ceiling(model_dir, record_path, output_tokens))
-
-
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -405,7 +400,7 @@ def main() -> None:
     failed = False
     if "pagewire" in args.stages:
         try:
-            _run_pagewire_and_ceiling(args, model_dir, results)
+            run_pagewire(args, model_dir, results)
         except Exception:  # the peers still run; what pagewire finished is already saved
             traceback.print_exc()
             failed = True

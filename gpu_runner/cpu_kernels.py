@@ -1,14 +1,18 @@
-"""C++ kernels for the CPU: paged attention that reads the KV cache in place.
+"""C++ kernels for the CPU (float32): paged attention that reads the KV cache in place, and
+the decoder layer's fused elementwise steps.
 
-The torch path gathers every sequence's blocks into padded tensors and runs SDPA over them;
-on CPU the gather, the padding and SDPA (poor at a few query rows per KV head) dominate a
-decode step and a good part of a prefill. The kernel in csrc/paged_attention.cpp walks each
-sequence's block table instead, for decodes, fresh prompts and continued chunks alike.
+- paged_attention (csrc/paged_attention.cpp): the torch path gathers every sequence's blocks
+  into padded tensors and runs SDPA over them; on CPU the gather, the padding and SDPA (poor at
+  a few query rows per KV head) dominate a decode step and a good part of a prefill. The kernel
+  walks each sequence's block table instead, for decodes, fresh prompts and continued chunks.
+- add_rms_norm and silu_and_mul (csrc/elementwise.cpp): one pass over the activations where
+  torch makes five (the residual add and RMSNorm) or two (silu, then the product).
 
 It is built on first use with torch.utils.cpp_extension (JIT, cached in the default torch
 extensions folder, so later processes only load it). It is compiled with -march=native: the
 build runs on the machine that uses it, and the extension's name carries a fingerprint of the
-CPU's features so that a cache folder shared with another kind of CPU gets its own build.
+CPU's features so that a cache folder shared with another kind of CPU gets its own build, and
+one of every file in csrc/ (torch rebuilds when a listed source changes, not a header).
 When anything is missing (a compiler, ninja, a failing build), `available()` is False, one
 warning says why, and callers keep the torch path.
 """
@@ -25,7 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -44,12 +49,20 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1("\n".join(wanted).encode()).hexdigest()[:10]
 
 
+def _sources_fingerprint() -> str:
+    """A short hash of every source and header the extension is built from."""
+    digest = hashlib.sha1()
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension  # imported here: it is slow and pulls setuptools
 
     return cpp_extension.load(
-        name=f"pagewire_cpu_kernels_{_cpu_fingerprint()}",
-        sources=[str(_SOURCE)],
+        name=f"pagewire_cpu_kernels_{_cpu_fingerprint()}_{_sources_fingerprint()}",
+        sources=[str(source) for source in _SOURCES],
         extra_cflags=_CFLAGS,
         extra_ldflags=_LDFLAGS,
         verbose=False,
@@ -84,10 +97,9 @@ def failure_reason() -> str | None:
     return _failure
 
 
-def supports(query: torch.Tensor, cache: torch.Tensor) -> bool:
-    """True when the kernel handles these tensors (float32 on the CPU)."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32
-            and cache.dtype == torch.float32)
+def supports(*tensors: torch.Tensor) -> bool:
+    """True when the kernels handle these tensors (float32 on the CPU)."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
 def paged_attention(
@@ -106,10 +118,27 @@ def paged_attention(
     Returns [tokens, heads, head_dim]. Query head h uses KV head h // (heads // kv_heads).
     Raises RuntimeError when the kernel is unavailable or the inputs are invalid.
     """
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    return _require().paged_attention(  # type: ignore[no-any-return]
+        query, key_cache, value_cache, block_tables, context_lens, query_start_locs,
+        float(scale))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += x (in place), then returns rms_norm(residual) * weight as a new tensor.
+    x and residual: [rows, width] float32 with contiguous rows; weight: [width]."""
+    return _require().add_rms_norm(x, residual, weight, float(eps))  # type: ignore[no-any-return]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * width] = [gate | up] -> a new [rows, width] silu(gate) * up."""
+    return _require().silu_and_mul(gate_up)  # type: ignore[no-any-return]
+
+
+def _require() -> ModuleType:
     module = _load()
     if module is None:
         raise RuntimeError(f"C++ CPU kernels unavailable: {_failure}")
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    return module.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                  query_start_locs, float(scale))
+    return module

@@ -16,7 +16,9 @@
 // the compiler's generic vector type (GCC/Clang), the softmax loops are plain elementwise loops
 // over fixed-width lanes, and exp is a polynomial the compiler vectorises. The JIT build uses
 // -O3 -march=native (see gpu_runner/cpu_kernels.py).
-#include <torch/extension.h>
+#include "paged_attention.h"
+
+#include "exp_nonpositive.h"
 
 #include <ATen/Parallel.h>
 
@@ -52,27 +54,6 @@ struct Strides {
   int64_t k_block, k_slot, k_head;
   int64_t v_block, v_slot, v_head;
 };
-
-// exp(x) for x <= 0 (scores minus their max) by Cody-Waite range reduction and a degree-6
-// polynomial: about 1 ulp in float32, and plain arithmetic the compiler vectorises.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below this expf underflows to a denormal; 0 is close enough
-  // Round to nearest by adding and removing 1.5 * 2^23 (plain arithmetic: vectorises).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;  // ln2 split into hi + lo for an exact reduction
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Sums 16 lanes as a tree of fixed-width steps (each one vector add once unrolled), where a
 // left-to-right sum is 16 dependent scalar adds (the compiler may not reorder float adds).
@@ -616,12 +597,4 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                 scratches[static_cast<size_t>(at::get_thread_num())]);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
-        "Causal attention of each sequence's new tokens over a paged KV cache read in place "
-        "(float32, CPU)",
-        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("query_start_locs"), py::arg("scale"));
 }

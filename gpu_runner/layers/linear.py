@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -178,8 +179,8 @@ def tune_policy(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.T
             continue
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=generator)
         plain_s, packed_s = _best_of_interleaved(
-            lambda x=x: F.linear(x, weight, bias),
-            lambda x=x, rows=rows: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows),
+            partial(F.linear, x, weight, bias),
+            partial(torch.ops.mkl._mkl_linear, x, packed, weight, bias, rows),
             rounds)
         wins = packed_s < plain_s * (1 - MIN_GAIN)
         losses_after_win = 0 if wins else losses_after_win + (1 if any(chosen) else 0)

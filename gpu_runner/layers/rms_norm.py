@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gpu_runner import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
@@ -25,3 +27,11 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         inverse_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.eps))
         return (x32 * inverse_rms).to(dtype).mul_(self.weight)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place: the forward's own running sum), then the norm of the new
+        residual as a new tensor. On the CPU in float32, one fused C++ pass."""
+        if (x.dim() == 2 and cpu_kernels.supports(x, residual, self.weight)
+                and cpu_kernels.available()):
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        return self(residual.add_(x))

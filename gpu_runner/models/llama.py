@@ -101,14 +101,22 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
         rotation: Rotation,
         layer_cache: torch.Tensor,
         plan: Any,  # the backend's plan of this batch
     ) -> torch.Tensor:
-        # In place: `hidden` is this forward's own buffer (inference only).
-        hidden.add_(self.self_attn(self.input_layernorm(hidden), rotation, layer_cache, plan))
-        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+        """Adds `delta` (the previous layer's output; None in the first layer) to `residual`,
+        the running sum of the layer outputs, in place (it is this forward's own buffer), and
+        returns this layer's output, to be added by the next layer: each addition is then
+        fused with the norm that reads its result."""
+        if delta is None:
+            normed = self.input_layernorm(residual)
+        else:
+            normed = self.input_layernorm.add_and_norm(delta, residual)
+        attention = self.self_attn(normed, rotation, layer_cache, plan)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(attention, residual))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,8 +145,9 @@ class LlamaForCausalLM(nn.Module):
             return
         order = interleaving_order(self.config.head_dim)
         with torch.no_grad():
-            for layer in self.layers:
-                layer.self_attn.reorder_qk_rows(order)
+            for module in self.modules():
+                if isinstance(module, Attention):
+                    module.reorder_qk_rows(order)
         self.rotary.interleaved = True
 
     def forward(
@@ -151,8 +160,11 @@ class LlamaForCausalLM(nn.Module):
         for the tokens at meta.logits_indices only."""
         plan = self.backend.plan(meta)
         rotation = self.rotary.rotation(meta.positions)
-        hidden = self.embed_tokens(token_ids)
+        residual = self.embed_tokens(token_ids)
+        delta = None
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, rotation, kv_cache[index], plan)
-        last = hidden[meta.logits_indices]
-        return self.lm_head(self.norm(last)).float()
+            delta = layer(delta, residual, rotation, kv_cache[index], plan)
+        rows = meta.logits_indices  # only these rows need the last addition and the norm
+        last = self.norm.add_and_norm(delta[rows], residual[rows]) if delta is not None \
+            else self.norm(residual[rows])
+        return self.lm_head(last).float()

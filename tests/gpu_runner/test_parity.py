@@ -119,12 +119,13 @@ def test_tiny_mixed_batch_matches_generate(
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_torch_decode_path_without_the_cpp_kernel_matches_generate(
+def test_torch_paths_without_the_cpp_kernels_match_generate(
     tiny_runners: dict, tiny_model_dirs: dict[str, Path], arch: str,
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The gather + SDPA decode path, used where the C++ kernel cannot be built."""
-    monkeypatch.setattr(cpu_kernels, "supports", lambda query, cache: False)
+    """The gather + SDPA attention and the torch norms and activation, used where the C++
+    kernels cannot be built."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda device="cpu": False)
     runner = tiny_runners[(arch, 16)]
     prompts = random_prompts(TINY_LENGTHS, seed=3)
     assert_mixed_batch_parity(runner, tiny_model_dirs[arch], prompts)

@@ -1,0 +1,18 @@
+// The Python module of pagewire's CPU kernels (built by gpu_runner/cpu_kernels.py).
+#include <torch/extension.h>
+
+#include "elementwise.h"
+#include "paged_attention.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Causal attention of each sequence's new tokens over a paged KV cache read in place "
+        "(float32, CPU)",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("query_start_locs"), py::arg("scale"));
+  m.def("add_rms_norm", &add_rms_norm,
+        "residual += x in place, then rms_norm(residual) * weight (float32, CPU)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up (float32, CPU)",
+        py::arg("gate_up"));
+}

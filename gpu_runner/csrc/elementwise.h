@@ -1,0 +1,11 @@
+// Fused elementwise kernels of the decoder layer (float32, CPU); see elementwise.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+// residual += x (in place), then returns rms_norm(residual) * weight. x, residual: [rows, width].
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+
+// gate_up = [gate | up] along the last dimension -> silu(gate) * up, a new [rows, width / 2].
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
