@@ -48,6 +48,7 @@ run: setup
 bench: setup
 	$(PY) bench/block_service.py
 	$(PY) bench/runner.py
+	$(PY) bench/linear.py
 	$(PY) bench/cpu_attention.py
 	$(PY) bench/serve_bench.py
 

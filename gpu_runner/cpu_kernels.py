@@ -7,6 +7,8 @@ the decoder layer's fused elementwise steps.
   walks each sequence's block table instead, for decodes, fresh prompts and continued chunks.
 - add_rms_norm and silu_and_mul (csrc/elementwise.cpp): one pass over the activations where
   torch makes five (the residual add and RMSNorm) or two (silu, then the product).
+- pack_panels and panel_linear (csrc/panel_linear.cpp): linear layers for few rows (decode),
+  streaming the weights from memory while computing, where MKL leaves the memory idle.
 
 It is built on first use with torch.utils.cpp_extension (JIT, cached in the default torch
 extensions folder, so later processes only load it). It is compiled with -march=native: the
@@ -30,7 +32,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp")]
+_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp",
+                                       "panel_linear.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -135,6 +138,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[rows, 2 * width] = [gate | up] -> a new [rows, width] silu(gate) * up."""
     return _require().silu_and_mul(gate_up)  # type: ignore[no-any-return]
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the panel layout panel_linear reads: [ceil(N / 16), K, 16]."""
+    return _require().pack_panels(weight)  # type: ignore[no-any-return]
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:
+    """x [..., K] @ weight^T (+ bias) -> [..., out_features], the weight given as its panels."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    y = _require().panel_linear(rows, panels, bias, out_features)
+    return y.view(*x.shape[:-1], out_features)  # type: ignore[no-any-return]
 
 
 def _require() -> ModuleType:

@@ -3,6 +3,7 @@
 
 #include "elementwise.h"
 #include "paged_attention.h"
+#include "panel_linear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
@@ -15,4 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up (float32, CPU)",
         py::arg("gate_up"));
+  m.def("pack_panels", &pack_panels, "weight [N, K] -> panels [ceil(N / 16), K, 16]",
+        py::arg("weight"));
+  m.def("panel_linear", &panel_linear,
+        "x [M, K] @ weight^T (+ bias) from the weight's panels (float32, CPU, few rows)",
+        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("out_features"));
 }

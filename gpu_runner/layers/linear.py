@@ -1,7 +1,18 @@
 """Projections (including the fused ones: q/k/v in one matmul, gate/up in another) and the
-CPU GEMM dispatch that picks, per call, between plain and MKL-packed weights.
+CPU GEMM dispatch that picks, per call, between plain, MKL-packed and panel-packed weights.
 
-Why a dispatch: on CPU, `F.linear` (MKL sgemm) re-packs the weight into MKL's internal layout
+Panels first: with PANEL_ROWS rows (decode batches) a CPU float32 projection goes through the
+C++ panel kernel (gpu_runner/cpu_kernels.py, csrc/panel_linear.cpp), which streams
+the weight from memory while it computes; at these row counts every decode step reads all the
+weights, which do not fit in the cache, and MKL leaves the memory idle (12-24 % slower from 4
+to 48 rows, ~8 % at 64, measured over all of SmolLM2-135M's layers with bench/linear.py; at 1
+and 2 rows MKL is 2-10 % faster and keeps them). It is not measured
+per machine at load like the MKL choice below: a load-time measurement repeats one weight,
+which then sits in the cache, the one case where the panels have no edge. `--linear-backend
+packed` (MKL for every row count) and `plain` do without them.
+
+Above the panels' rows (and where the C++ kernels cannot be built), between plain and
+MKL-packed weights: on CPU, `F.linear` (MKL sgemm) re-packs the weight into MKL's internal layout
 on every call. With few rows (decode: one row per sequence) that packing is most of the time;
 a weight packed once at load (`torch.ops.mkl._mkl_reorder_linear_weight`, multiplied with
 `torch.ops.mkl._mkl_linear`) skips it and is up to 2-3x faster. With many rows (prefill) the
@@ -9,9 +20,10 @@ packed path is slower than plain sgemm, and where the crossover lies depends on 
 shape. So the choice is measured once per weight shape (N, K) at load over power-of-two row
 buckets (`tune_policy`), and each call rounds its row count up to a bucket and looks it up.
 
-Cost: a packed weight is a second copy of the weight (about +100% of the weight memory for
-the layers that pack; ~+0.5 GB for SmolLM2-135M in float32). CPU float32 only: CUDA and
-other dtypes always use plain `F.linear`.
+Cost: each packed layout is another copy of the weight (panels: +100 % of the weight memory;
+MKL's, for the shapes whose measured policy uses it outside PANEL_ROWS: up to +100 % more;
+~+0.5 GB each for SmolLM2-135M in float32). CPU float32 only: CUDA and other dtypes always use
+plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -26,11 +38,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gpu_runner import cpu_kernels
+
 log = logging.getLogger(__name__)
 
-# `--linear-backend`: auto = packed where measured faster (CPU float32), plain elsewhere;
-# packed = packed for every row count up to the last bucket (no measurement); plain = off.
+# `--linear-backend`: auto = panels for PANEL_ROWS rows, elsewhere MKL-packed where measured
+# faster (CPU float32), else plain; packed = MKL-packed for every row count up to the last
+# bucket (no measurement, no panels); plain = off.
 LINEAR_BACKENDS = ("auto", "packed", "plain")
+# The row counts that go through the panel kernel (where bench/linear.py measured it faster).
+PANEL_ROWS = range(3, 65)
 
 # Row counts are rounded up to a power of two; above the last bucket (or above a shape's
 # measuring budget, TUNE_MAX_MACS) plain sgemm is used: there the two tie on the shapes seen.
@@ -83,23 +100,27 @@ class GemmShape:
     in_features: int
     has_bias: bool
     threads: int
+    panels: bool  # the panel kernel takes PANEL_ROWS rows: MKL is measured for the others
 
 
 @dataclass
 class PackedWeight:
-    """A weight packed for MKL, and when to use it (attached to one Linear or LM head)."""
+    """A weight's packed layouts, and when to use them (attached to one Linear or LM head)."""
 
-    packed: torch.Tensor  # MKL's opaque packed layout (an mkldnn tensor)
-    policy: PackPolicy
+    packed: torch.Tensor | None  # MKL's opaque packed layout (None: the policy packs none)
+    policy: PackPolicy  # when to use `packed`
+    panels: torch.Tensor | None = None  # the panel kernel's layout, used for PANEL_ROWS rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
-    """y = x @ weight^T (+ bias), through the packed weight when its policy says so for
-    x's row count."""
+    """y = x @ weight^T (+ bias), through a packed layout where it is the faster one for x's
+    row count."""
     if packed is not None:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if packed.policy.uses_packed(rows):
+        if packed.panels is not None and rows in PANEL_ROWS:
+            return cpu_kernels.panel_linear(x, packed.panels, bias, weight.shape[0])
+        if packed.packed is not None and packed.policy.uses_packed(rows):
             return torch.ops.mkl._mkl_linear(x, packed.packed, weight, bias, rows)
     return F.linear(x, weight, bias)
 
@@ -166,14 +187,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def tune_policy(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
-                rounds: int = TUNE_ROUNDS) -> PackPolicy:
+                rounds: int = TUNE_ROUNDS, skip_rows: range = range(0)) -> PackPolicy:
     """Times plain vs packed at each row bucket (interleaved, best of `rounds`, so both see
-    the same machine load) and keeps packed where it wins by MIN_GAIN."""
+    the same machine load) and keeps packed where it wins by MIN_GAIN. A bucket whose row
+    counts all lie in `skip_rows` (the panels' rows) is not measured and never packed."""
     chosen: list[bool] = []
     losses_after_win = 0
     generator = torch.Generator().manual_seed(0)  # leaves the global RNG alone
     for rows in ROW_BUCKETS:
-        if (losses_after_win >= STOP_AFTER_LOSSES
+        smallest = rows // 2 + 1  # the bucket's row counts: smallest .. rows
+        if ((smallest in skip_rows and rows in skip_rows)
+                or losses_after_win >= STOP_AFTER_LOSSES
                 or rows * weight.shape[0] * weight.shape[1] > TUNE_MAX_MACS):
             chosen.append(False)
             continue
@@ -212,7 +236,9 @@ class PolicyCache:
                ) -> PackPolicy:
         """The cached policy of `shape`, measured on `weight` the first time."""
         if shape not in self._policies:
-            self._policies[shape] = tune_policy(weight, bias, pack_weight(weight))
+            self._policies[shape] = tune_policy(
+                weight, bias, pack_weight(weight),
+                skip_rows=PANEL_ROWS if shape.panels else range(0))
         return self._policies[shape]
 
 
@@ -240,10 +266,15 @@ def install_linear_backend(model: nn.Module, backend: str,
                 continue
             shape, policy = _attach_packed(module, backend, cache)
             policies[shape] = policy
-            if module.packed is not None:
-                extra_bytes += module.weight.numel() * module.weight.element_size()
+            layouts = module.packed
+            if layouts is not None:
+                copies = (layouts.packed is not None) + (layouts.panels is not None)
+                extra_bytes += copies * module.weight.numel() * module.weight.element_size()
     for shape, policy in policies.items():
-        log.info("linear %dx%d: packed weight at %s", shape.out_features, shape.in_features,
+        log.info("linear %dx%d: %sMKL-packed weight at %s", shape.out_features,
+                 shape.in_features,
+                 f"panels at {PANEL_ROWS.start}-{PANEL_ROWS.stop - 1} rows, "
+                 if shape.panels else "",
                  policy.describe())
     if extra_bytes:
         log.info("packed weights: %.0f MiB extra", extra_bytes / 2**20)
@@ -253,9 +284,12 @@ def install_linear_backend(model: nn.Module, backend: str,
 def _attach_packed(module: Linear, backend: str, cache: PolicyCache
                    ) -> tuple[GemmShape, PackPolicy]:
     weight, bias = module.weight, module.bias
+    use_panels = backend == "auto" and cpu_kernels.available(weight.device)
     shape = GemmShape(weight.shape[0], weight.shape[1], bias is not None,
-                      torch.get_num_threads())
+                      torch.get_num_threads(), use_panels)
     policy = ALWAYS_PACKED if backend == "packed" else cache.policy(shape, weight, bias)
-    if policy.packs_any:
-        module.packed = PackedWeight(pack_weight(weight), policy)
+    mkl_packed = pack_weight(weight) if policy.packs_any else None
+    panels = cpu_kernels.pack_panels(weight) if use_panels else None
+    if mkl_packed is not None or panels is not None:
+        module.packed = PackedWeight(mkl_packed, policy, panels)
     return shape, policy

@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from gpu_runner import cpu_kernels
 from gpu_runner.layers import linear as linear_module
 from gpu_runner.layers.embedding import LMHead
 from gpu_runner.layers.linear import (
     ALWAYS_PACKED,
     NEVER_PACKED,
+    PANEL_ROWS,
     ROW_BUCKETS,
     GemmShape,
     Linear,
@@ -177,9 +179,12 @@ def test_auto_measures_each_shape_once_and_shares_the_policy(
     measured: list[tuple[int, int]] = []
     chosen = PackPolicy(tuple(rows <= 2 for rows in ROW_BUCKETS))
 
-    def fake_tune(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
-                  ) -> PackPolicy:
+    skipped: set[range] = set()
+
+    def fake_tune(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
+                  skip_rows: range = range(0)) -> PackPolicy:
         measured.append(tuple(weight.shape))  # type: ignore[arg-type]
+        skipped.add(skip_rows)
         return chosen
 
     monkeypatch.setattr(linear_module, "tune_policy", fake_tune)
@@ -192,14 +197,17 @@ def test_auto_measures_each_shape_once_and_shares_the_policy(
     assert model.second.packed.policy is model.third.packed.policy
     install_linear_backend(_TwoLayers(), "auto", cache)  # a second model: all cached
     assert len(measured) == 3
+    # With the panel kernel, MKL is not measured at the rows the panels take.
+    assert skipped == ({PANEL_ROWS} if cpu_kernels.available() else {range(0)})
 
 
 @needs_mkl
 def test_a_shape_that_never_wins_keeps_no_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear_module, "tune_policy", lambda *_args: NEVER_PACKED)
+    monkeypatch.setattr(linear_module, "tune_policy", lambda *_args, **_kwargs: NEVER_PACKED)
     model = _TwoLayers()
     install_linear_backend(model, "auto", PolicyCache())
-    assert all(m.packed is None for m in _projections(model))
+    # No MKL copy; the panels (when the C++ kernels build) are kept regardless.
+    assert all(m.packed is None or m.packed.packed is None for m in _projections(model))
 
 
 @needs_mkl
@@ -207,8 +215,95 @@ def test_real_tuning_returns_one_decision_per_bucket() -> None:
     weight = torch.randn(64, 32)
     policy = linear_module.tune_policy(weight, None, pack_weight(weight), rounds=1)
     assert len(policy.packed_buckets) == len(ROW_BUCKETS)
-    shape = GemmShape(64, 32, False, torch.get_num_threads())
-    assert shape == GemmShape(64, 32, False, torch.get_num_threads())  # hashable key
+    shape = GemmShape(64, 32, False, torch.get_num_threads(), False)
+    assert shape == GemmShape(64, 32, False, torch.get_num_threads(), False)  # hashable key
+
+
+@needs_mkl
+def test_tuning_leaves_the_buckets_inside_skip_rows_unmeasured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    timed_rows: list[int] = []
+
+    def fake_best_of(first, second, rounds):  # type: ignore[no-untyped-def]
+        timed_rows.append(first.args[0].shape[0])  # the x of partial(F.linear, x, ...)
+        return 1.0, 0.5  # packed always wins where measured
+
+    monkeypatch.setattr(linear_module, "_best_of_interleaved", fake_best_of)
+    weight = torch.randn(8, 4)
+    policy = linear_module.tune_policy(weight, None, pack_weight(weight),
+                                       skip_rows=range(3, 65))
+    # Bucket 4 holds rows 3-4 (inside), bucket 2 rows 2 (outside), bucket 128 rows 65-128.
+    assert timed_rows == [rows for rows in ROW_BUCKETS if rows <= 2 or rows >= 128]
+    assert [policy.uses_packed(rows) for rows in (1, 2, 3, 64, 65, 128, 2048)] == [
+        True, True, False, False, True, True, True]
+
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason="the C++ CPU kernels cannot be built here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 31, 32, 33, 64])
+@pytest.mark.parametrize("shape", [(100, 32), (16, 7), (33, 40), (960, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_kernel_matches_float64(rows: int, shape: tuple[int, int],
+                                      with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + shape[0])
+    weight = torch.randn(*shape, generator=gen)
+    bias = torch.randn(shape[0], generator=gen) if with_bias else None
+    x = torch.randn(rows, shape[1], generator=gen)
+    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight), bias, shape[0])
+    torch.testing.assert_close(out.double(), _f64_linear(x, weight, bias), rtol=1e-5,
+                               atol=1e-4)
+
+
+@needs_kernels
+def test_panel_kernel_keeps_leading_dimensions_and_reads_views() -> None:
+    weight = torch.randn(48, 24)
+    x = torch.randn(2, 3, 50)[..., 10:34]  # rows of a wider buffer
+    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight), None, 48)
+    assert out.shape == (2, 3, 48)
+    torch.testing.assert_close(out.double(), _f64_linear(x, weight, None), rtol=1e-5,
+                               atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("call", [
+    lambda: cpu_kernels.panel_linear(torch.randn(2, 8), cpu_kernels.pack_panels(
+        torch.randn(20, 8)), None, 40),
+    lambda: cpu_kernels.panel_linear(torch.randn(2, 9), cpu_kernels.pack_panels(
+        torch.randn(20, 8)), None, 20),
+    lambda: cpu_kernels.panel_linear(torch.randn(2, 8), cpu_kernels.pack_panels(
+        torch.randn(20, 8)), torch.randn(19), 20),
+    lambda: cpu_kernels.panel_linear(torch.randn(2, 8).double(), cpu_kernels.pack_panels(
+        torch.randn(20, 8)), None, 20),
+    lambda: cpu_kernels.pack_panels(torch.randn(20, 8).double()),
+], ids=["features", "width", "bias", "float64", "pack-float64"])
+def test_panel_kernel_refuses_bad_inputs(call) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError):
+        call()
+
+
+@needs_kernels
+@needs_mkl
+def test_auto_uses_the_panels_up_to_their_rows_and_mkl_or_plain_above(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _TwoLayers()
+    install_linear_backend(model, "auto", PolicyCache())
+    calls: list[int] = []
+    real = cpu_kernels.panel_linear
+
+    def counting(x, panels, bias, out_features):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return real(x, panels, bias, out_features)
+
+    monkeypatch.setattr(cpu_kernels, "panel_linear", counting)
+    for rows in (1, PANEL_ROWS.start, PANEL_ROWS.stop - 1, PANEL_ROWS.stop):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(model.first(x).double(),
+                                   _f64_linear(x, model.first.weight, model.first.bias),
+                                   rtol=1e-5, atol=1e-4)
+    assert calls == [PANEL_ROWS.start, PANEL_ROWS.stop - 1]
 
 
 # ---- the runner ----

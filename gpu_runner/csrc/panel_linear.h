@@ -1,0 +1,11 @@
+// Few-row linear layers from weights packed in panels (float32, CPU); see panel_linear.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+// weight [N, K] -> panels [ceil(N / 16), K, 16]: panels[p][k][i] = weight[16 p + i][k].
+at::Tensor pack_panels(const at::Tensor& weight);
+
+// x [M, K] (contiguous) @ weight^T (+ bias) -> [M, out_features], weight given as its panels.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features);
