@@ -574,9 +574,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   const float* v = value_cache.data_ptr<float>();
   float* o = out.data_ptr<float>();
   Plan plan = plan_work(g, len_data, start_data);
-  // A thread should get enough work (~16k query-key pairs, tens of microseconds) to pay for
+  // A thread should get enough work (~2k query-key pairs, a few microseconds) to pay for
   // waking it; small calls run on the calling thread alone.
-  constexpr int64_t kPairsPerThread = 16384;
+  constexpr int64_t kPairsPerThread = 2048;
   const int64_t threads = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), plan.total_pairs / kPairsPerThread));
   const int64_t heads = g.num_kv_heads;
