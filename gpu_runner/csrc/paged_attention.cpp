@@ -263,7 +263,7 @@ struct Item {
   int64_t first_token;  // packed index of the tile's first new token
   int64_t tokens;       // new tokens in the tile
   int64_t first_pos;    // position of the tile's first token (keys 0..first_pos are visible)
-  int64_t kv_head;
+  int64_t kv_head;      // -1: every KV head (a decode, see attend_decode)
   const float* keys_t;  // the sequence's keys for this KV head, transposed; null: not used
 };
 
@@ -365,6 +365,89 @@ void weigh_values(const Geometry& g, const Strides& s, const float* values,
       }
     }
   });
+}
+
+// Pass 2 for one tile of R query rows over n value rows: acc[r] += sum_i p[r][i] v_i.
+template <int R>
+inline void weigh_rows(const float* p, int64_t p_stride, const float* v, int64_t v_stride,
+                       int64_t n, int64_t dim, float* acc) {
+  if (dim == 4 * kLanes) {
+    weighted_rows_blocked<R, 4>(p, p_stride, v, v_stride, n, acc);
+  } else {
+    weighted_rows<R>(p, p_stride, v, v_stride, n, dim, acc);
+  }
+}
+
+// A decode (one new token) over every KV head at once: block by block, slot by slot, the
+// heads' key (then value) rows are read in memory order, the whole of each block's rows, and
+// while a block is computed the same slots of the next block are prefetched. Per-head items
+// would read each block three times at a stride (one 256-byte row per slot and head), which
+// the hardware prefetcher follows poorly: decode attention is bound by reading the cache.
+void attend_decode(const Geometry& g, const Strides& s, const float* query, const float* keys,
+                   const float* values, const int64_t* table, const Item& item, float scale,
+                   float* out, Scratch& scratch) {
+  const int64_t qn = g.q_per_kv, dim = g.head_dim, heads = g.num_heads;
+  const int64_t context = item.first_pos + 1;
+  scratch.scores.resize(static_cast<size_t>(heads * context));
+  scratch.query.resize(static_cast<size_t>(heads * dim));
+  scratch.acc.assign(static_cast<size_t>(heads * dim), 0.0f);
+  scratch.inv_sums.resize(static_cast<size_t>(heads));
+  float* scores = scratch.scores.data();
+  float* q = scratch.query.data();
+  float* acc = scratch.acc.data();
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* src = query + item.first_token * s.q_token + h * s.q_head;
+    for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = src[d] * scale;
+  }
+  // Pass 1: scores.
+  for (int64_t t0 = 0, b = 0; t0 < context; t0 += g.block_size, ++b) {
+    const float* block = keys + table[b] * s.k_block;
+    const int64_t n = std::min(g.block_size, context - t0);
+    const int64_t n_next = std::min(g.block_size, context - t0 - g.block_size);
+    for (int64_t i = 0; i < n; ++i) {
+      if (i < n_next) {
+        prefetch_rows(keys + table[b + 1] * s.k_block + i * s.k_slot, s.k_head, g.num_kv_heads,
+                      dim);
+      }
+      for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
+        const float* key = block + i * s.k_slot + kv * s.k_head;
+        for_row_tiles<kDotRows>(0, qn, [&](auto tile, int64_t r0) {
+          const int64_t row = kv * qn + r0;
+          dot_rows<decltype(tile)::value>(q + row * dim, dim, key, scores + row * context + t0 + i,
+                                          context);
+        });
+      }
+    }
+  }
+  float* inv_sums = scratch.inv_sums.data();
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = scores + h * context;
+    inv_sums[h] = 1.0f / exp_shifted_sum(row, max_of(row, context), context);
+  }
+  // Pass 2: weighted sums of the values.
+  for (int64_t t0 = 0, b = 0; t0 < context; t0 += g.block_size, ++b) {
+    const float* block = values + table[b] * s.v_block;
+    const int64_t n = std::min(g.block_size, context - t0);
+    if (t0 + g.block_size < context) {
+      const float* next = values + table[b + 1] * s.v_block;
+      const int64_t n_next = std::min(g.block_size, context - t0 - g.block_size);
+      for (int64_t i = 0; i < n_next; ++i) {
+        prefetch_rows(next + i * s.v_slot, s.v_head, g.num_kv_heads, dim);
+      }
+    }
+    for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
+      for_row_tiles<kDotRows>(0, qn, [&](auto tile, int64_t r0) {
+        const int64_t row = kv * qn + r0;
+        weigh_rows<decltype(tile)::value>(scores + row * context + t0, context,
+                                          block + kv * s.v_head, s.v_slot, n, dim,
+                                          acc + row * dim);
+      });
+    }
+  }
+  float* dst = out + item.first_token * heads * dim;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = acc[h * dim + d] * inv_sums[h];
+  }
 }
 
 void attend_item(const Geometry& g, const Strides& s, const float* query, const float* keys,
@@ -502,6 +585,11 @@ struct Plan {
 
 Plan plan_work(const Geometry& g, const int64_t* lens, const int64_t* starts) {
   Plan plan;
+  // One item per decode (every KV head) once there are enough of them to share out; a few
+  // decodes keep an item per KV head, so that a long context still splits over threads.
+  int64_t decodes = 0;
+  for (int64_t seq = 0; seq < g.num_seqs; ++seq) decodes += starts[seq + 1] - starts[seq] == 1;
+  const bool decode_items = decodes >= 4 * at::get_num_threads();
   int64_t floats = 0;
   for (int64_t seq = 0; seq < g.num_seqs; ++seq) {
     if ((starts[seq + 1] - starts[seq]) * g.q_per_kv >= kTransposeRows) {
@@ -519,6 +607,11 @@ Plan plan_work(const Geometry& g, const int64_t* lens, const int64_t* starts) {
       keys_t = plan.keys_t.data() + plan.transposed[next_transposed++].second;
     }
     const int64_t per_head = transposed_size(lens[seq], g.head_dim);
+    if (new_tokens == 1 && decode_items) {
+      plan.items.push_back({seq, starts[seq], 1, first_pos, -1, nullptr});
+      plan.total_pairs += lens[seq] * g.num_heads;
+      continue;
+    }
     for (int64_t t0 = 0; t0 < new_tokens; t0 += kTileTokens) {
       const int64_t tokens = std::min(kTileTokens, new_tokens - t0);
       for (int64_t kv_head = 0; kv_head < g.num_kv_heads; ++kv_head) {
@@ -593,8 +686,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   std::vector<Scratch> scratches(static_cast<size_t>(at::get_num_threads()));
   parallel_dynamic(static_cast<int64_t>(plan.items.size()), threads, [&](int64_t i) {
     const Item& item = plan.items[static_cast<size_t>(i)];
-    attend_item(g, s, q, k, v, table_data + item.seq * g.max_blocks, item, scale_f, o,
-                scratches[static_cast<size_t>(at::get_thread_num())]);
+    Scratch& scratch = scratches[static_cast<size_t>(at::get_thread_num())];
+    const int64_t* table = table_data + item.seq * g.max_blocks;
+    if (item.kv_head < 0) {
+      attend_decode(g, s, q, k, v, table, item, scale_f, o, scratch);
+    } else {
+      attend_item(g, s, q, k, v, table, item, scale_f, o, scratch);
+    }
   });
   return out;
 }

@@ -127,10 +127,16 @@ def test_odd_head_dim_and_group_size() -> None:
     assert_matches(case, run_kernel(case))
 
 
-def test_many_sequences_across_threads() -> None:
+SHAPES_WITH_ODD = {**SHAPES, "odd_dim_group_of_5": (10, 2, 40)}
+
+
+@pytest.mark.parametrize("shape", SHAPES_WITH_ODD.values(), ids=SHAPES_WITH_ODD.keys())
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_many_decodes_across_threads(shape: tuple[int, int, int], block_size: int) -> None:
+    # Enough decodes for one item per sequence over every KV head (attend_decode).
     gen = torch.Generator().manual_seed(5)
     lengths = torch.randint(1, 400, (40,), generator=gen).tolist()
-    case = make_case(lengths, 9, 3, 64, block_size=16, seed=5)
+    case = make_case(lengths, *shape, block_size=block_size, seed=5)
     assert_matches(case, run_kernel(case))
 
 
