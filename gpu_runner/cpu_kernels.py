@@ -148,9 +148,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias) -> [..., out_features], the weight given as its panels."""
-    rows = x.reshape(-1, x.shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    if x.dim() == 2 and x.is_contiguous():  # the decoder's case: no reshaping
+        return _require().panel_linear(x, panels, bias, out_features)  # type: ignore[no-any-return]
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = _require().panel_linear(rows, panels, bias, out_features)
     return y.view(*x.shape[:-1], out_features)  # type: ignore[no-any-return]
 
