@@ -13,12 +13,12 @@ from pathlib import Path
 
 from gpu_runner.batch import ExecuteBatch
 from gpu_runner.recorder import read_recorded
-from gpu_runner.runner import ModelRunner, RunnerOptions
+from gpu_runner.runner import ModelRunner
 
 
-def replay(path: Path, options: RunnerOptions) -> tuple[float, int]:
-    """Executes the recorded batches; returns (seconds, sampled tokens)."""
-    runner = ModelRunner(options)
+def replay(runner: ModelRunner, path: Path) -> tuple[float, int]:
+    """Executes the recorded batches; returns (seconds, sampled tokens). The batches of one
+    recording write every K/V they read, so one runner can replay several recordings."""
     batches = [ExecuteBatch.from_proto(request) for request in read_recorded(path)]
     if batches:
         runner.execute(batches[0])  # warm-up; writing the same K/V again changes nothing

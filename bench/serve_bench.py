@@ -8,9 +8,10 @@
 Workloads (bench/workloads.py, seeded): W1 offline throughput, W2 shared prefix with prefix
 caching on and off, W3 online Poisson arrivals. Peers on W1: transformers static batching,
 transformers continuous batching, vLLM CPU (when `make bench-peers` installed it), and the
-ceiling: pagewire's own runner replaying the very batches of the W1 run in-process, right
-after W1 (the services are up and idle meanwhile), so that the efficiency compares two
-measurements taken a minute apart: this machine's speed drifts by tens of percent over minutes.
+ceiling: pagewire's own runner replaying the very batches of a W1 run in-process, right after
+it (the services are up and idle meanwhile). W1 and its replay alternate W1_ROUNDS times and
+both rates are totals over the rounds: this machine's speed drifts by tens of percent over
+minutes, and the efficiency should compare runs taken under the same conditions.
 
 Each peer runs in its own child process under a time limit (--peer-timeout, model loading
 included): a peer that hangs or crashes is stopped and shows in the table as "timed out after
@@ -61,7 +62,7 @@ from bench.timing import RunSummary, run_workload  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from common.model_store import resolve_model  # noqa: E402
 from gateway.launcher import LaunchConfig, Launcher, free_port  # noqa: E402
-from gpu_runner.runner import RunnerOptions  # noqa: E402
+from gpu_runner.runner import ModelRunner, RunnerOptions  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -70,6 +71,9 @@ KV_CACHE_BYTES = 2 << 30
 MAX_BATCHED_TOKENS = 2048
 MAX_NUM_SEQS = 256
 P99_TTFT_TARGET_S = 2.0
+# W1 and the ceiling alternate this many times (totals over the rounds): this machine's speed
+# drifts by tens of percent over minutes, and one pair of runs can straddle a change.
+W1_ROUNDS = 2
 PEER_TIMEOUT_S = 600.0
 STAGES = ("pagewire", "ceiling", "hf-static", "hf-cb", "vllm")
 PEER_NAMES = {"hf-static": "transformers static", "hf-cb": "transformers continuous",
@@ -145,7 +149,7 @@ def _latency_row(summary: RunSummary) -> dict[str, float]:
 
 def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) -> None:
     """W1, W2 and W3 through the three services as processes, each saved as it ends; with the
-    ceiling selected, the runner's batches of W1 are replayed right after W1."""
+    ceiling selected, each round of W1 is followed by a replay of its batches."""
     record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.recording"
     metrics_port = free_port()
     config = LaunchConfig(
@@ -164,18 +168,8 @@ def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) ->
         launcher.start()
         address = launcher.gateway_address
         _run(address, "warm-up", workloads.offline_throughput(4, seed=99))
-        record_path.write_bytes(b"")  # the ceiling replays W1 alone
-        before, bench_cpu_before = step_profile.take_snapshot(metrics_port), time.process_time()
-        w1 = _run(address, "W1 pagewire", workloads.offline_throughput())
-        results.set_pagewire("w1_profile", step_profile.profile(
-            before, step_profile.take_snapshot(metrics_port), w1.seconds,
-            time.process_time() - bench_cpu_before))
-        # The runner opens the file per batch: later workloads record into a new file.
-        w1_batches = record_path.rename(record_path.with_suffix(".w1"))
-        results.set_pagewire("w1", {"seconds": w1.seconds, "output_tokens": w1.output_tokens,
-                                    "tokens_per_s": w1.tokens_per_s})
-        if "ceiling" in args.stages:
-            results.set_ceiling(run_ceiling(model_dir, w1_batches, w1.output_tokens))
+        run_w1(address, metrics_port, record_path, model_dir if "ceiling" in args.stages else None,
+               results)
         shared = workloads.shared_prefix()
         # Off: a unique cache salt per request, so no request can reuse another's blocks.
         off = [replace(r, cache_salt=f"off-{i}") for i, r in enumerate(shared)]
@@ -186,6 +180,40 @@ def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) ->
     finally:
         launcher.request_stop()
         launcher.stop()
+
+
+def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Path | None,
+           results: Results) -> None:
+    """W1 in W1_ROUNDS rounds, each followed by the ceiling's replay of its batches (unless
+    ceiling_model is None); rates are totals over the rounds."""
+    runner = None
+    if ceiling_model is not None:
+        runner = ModelRunner(RunnerOptions(model=str(ceiling_model), block_size=BLOCK_SIZE,
+                                           kv_cache_memory=KV_CACHE_BYTES))
+    windows = []
+    seconds = replay_seconds = client_cpu_s = 0.0
+    tokens = 0
+    for round_index in range(W1_ROUNDS):
+        record_path.write_bytes(b"")  # the ceiling replays this round alone
+        # A salt per round: a round must not find the previous one's prompts in the cache.
+        requests = [replace(r, cache_salt=f"w1-round-{round_index}")
+                    for r in workloads.offline_throughput()]
+        before, cpu_before = step_profile.take_snapshot(metrics_port), time.process_time()
+        w1 = _run(address, f"W1 pagewire, round {round_index + 1}/{W1_ROUNDS}", requests)
+        client_cpu_s += time.process_time() - cpu_before
+        windows.append((before, step_profile.take_snapshot(metrics_port)))
+        seconds += w1.seconds
+        tokens += w1.output_tokens
+        if runner is not None:
+            with _progress(f"W1 ceiling (replay), round {round_index + 1}", 1) as bar:
+                replay_seconds += replay(runner, record_path)[0]
+                bar.update(1)
+    results.set_pagewire("w1_profile", step_profile.profile(windows, seconds, client_cpu_s))
+    results.set_pagewire("w1", {"seconds": seconds, "output_tokens": tokens, "rounds": W1_ROUNDS,
+                                "tokens_per_s": tokens / seconds})
+    if runner is not None:
+        results.set_ceiling({"seconds": replay_seconds, "rounds": W1_ROUNDS,
+                             "tokens_per_s": tokens / replay_seconds})
 
 
 def run_online(address: str, rates: list[float], duration_s: float,
@@ -204,15 +232,6 @@ def run_online(address: str, rates: list[float], duration_s: float,
         save(w3)
         if not held:
             break
-
-
-def run_ceiling(model_dir: Path, record_path: Path, output_tokens: int) -> dict[str, float]:
-    options = RunnerOptions(model=str(model_dir), block_size=BLOCK_SIZE,
-                            kv_cache_memory=KV_CACHE_BYTES)
-    with _progress("W1 ceiling (replay)", 1) as bar:
-        seconds, _ = replay(record_path, options)
-        bar.update(1)
-    return {"seconds": seconds, "tokens_per_s": output_tokens / seconds}
 
 
 def _peer_command(key: str, model_dir: Path) -> list[str] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,23 +77,27 @@ def _service_cpu_seconds() -> dict[str, float]:
     return seconds
 
 
-def profile(before: Snapshot, after: Snapshot, wall_s: float, bench_cpu_s: float
+def profile(windows: Sequence[tuple[Snapshot, Snapshot]], wall_s: float, bench_cpu_s: float
             ) -> dict[str, Any]:
-    """Per-step milliseconds of each row, and CPU seconds per process, between two snapshots."""
-    steps = after.counts.get("step_loop_seconds", 0.0) - before.counts.get("step_loop_seconds",
-                                                                           0.0)
-    per_step_ms = {
-        label: (after.sums.get(name, 0.0) - before.sums.get(name, 0.0)) * 1e3 / max(steps, 1.0)
-        for name, label in _HISTOGRAMS.items()
-    }
-    cpu_s = {name: after.cpu_s[name] - before.cpu_s[name] for name in _SERVICES}
+    """Per-step milliseconds of each row, and CPU seconds per process, summed over the
+    (before, after) snapshot windows of one workload's runs."""
+
+    def change(sample: Callable[[Snapshot], dict[str, float]], name: str) -> float:
+        return sum(sample(after).get(name, 0.0) - sample(before).get(name, 0.0)
+                   for before, after in windows)
+
+    steps = change(lambda s: s.counts, "step_loop_seconds")
+    per_step_ms = {label: change(lambda s: s.sums, name) * 1e3 / max(steps, 1.0)
+                   for name, label in _HISTOGRAMS.items()}
+    cpu_s = {name: change(lambda s: s.cpu_s, name) for name in _SERVICES}
     cpu_s["bench client"] = bench_cpu_s
     return {"steps": steps, "wall_s": wall_s, "per_step_ms": per_step_ms, "cpu_s": cpu_s}
 
 
 def markdown(row: dict[str, Any]) -> list[str]:
     per_step = row["per_step_ms"]
-    lines = ["", f"Step-loop profile of W1 ({row['steps']:.0f} steps in {row['wall_s']:.1f} s; "
+    lines = ["", f"Step-loop profile of W1 ({row['steps']:.0f} steps in {row['wall_s']:.1f} s "
+             "over its rounds; "
              "the gateway's metrics, mean ms per step):", "",
              "| part | ms per step |", "|---|---:|"]
     lines += [f"| {label} | {ms:.2f} |" for label, ms in per_step.items()]
