@@ -1,0 +1,54 @@
+"""The transformers continuous-batching peer's wait loop, against a stand-in manager with
+transformers' queue semantics (finished results in completion order, None on a timeout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from bench.peers import hf
+
+
+@dataclass
+class FakeResult:
+    request_id: str
+    generated_tokens: list[int]
+    finished: bool = True
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+@dataclass
+class FakeManager:
+    """Hands out `results` one per get_result; after them, None (a timeout) while running."""
+
+    results: list[FakeResult | None]
+    running: bool = True
+    calls: int = field(default=0)
+
+    def get_result(self, request_id: str | None = None,
+                   timeout: float | None = None) -> FakeResult | None:
+        assert request_id is None, "the loop must not wait on one request id"
+        self.calls += 1
+        return self.results.pop(0) if self.results else None
+
+    def is_running(self) -> bool:
+        return self.running
+
+
+def test_results_in_any_order_are_all_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    progress: list[int] = []
+    monkeypatch.setattr(hf, "report_progress", progress.append)
+    manager = FakeManager([FakeResult("b", [1, 2, 3]), None, FakeResult("warm", [9]),
+                           FakeResult("a", [4], finished=False), FakeResult("a", [4, 5])])
+    assert hf._finish(manager, ["a", "b"]) == 5
+    assert progress == [1, 2]
+    assert manager.results == []
+
+
+def test_a_generation_loop_that_stops_is_an_error() -> None:
+    manager = FakeManager([FakeResult("a", [1])], running=False)
+    with pytest.raises(RuntimeError, match="stopped with requests pending"):
+        hf._finish(manager, ["a", "b"], report=False)
