@@ -403,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where serve_bench.{json,md,png} go (default: bench/results)")
     args = parser.parse_args(argv)
     args.w3_duration = args.w3_duration or (20.0 if args.quick else 60.0)
-    args.w3_rates = args.w3_rates or ([0.5, 1.0, 2.0] if args.quick else [0.5, 1.0, 1.5, 2.0, 3.0])
+    args.w3_rates = args.w3_rates or ([1.0, 2.0, 3.0] if args.quick else [1.0, 2.0, 3.0, 4.0, 5.0])
     args.stages = [s for s in (args.only or STAGES) if s not in args.skip]
     if "ceiling" in args.stages and "pagewire" not in args.stages:
         parser.error("the ceiling replays pagewire's W1 batches: run it with pagewire")
