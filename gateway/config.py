@@ -61,6 +61,12 @@ class GatewayConfig:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence's decode token must fit in one step: with a smaller budget
+            # the scheduler's admission-order pass would starve the later decodes.
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                f"--max-num-seqs ({self.max_num_seqs})")
         if self.max_waiting < 1:
             raise ValueError("--max-waiting must be >= 1")
         if self.max_n < 1:

@@ -100,9 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup_logging("gateway", args.log_level)
-    gateway = Gateway(config_from_args(args), server_options_from_args(args))
+    try:
+        config = config_from_args(args)
+    except ValueError as error:  # inconsistent flags: a usage error, not a traceback
+        parser.error(str(error))
+    gateway = Gateway(config, server_options_from_args(args))
     service = gateway.start()
     log.info("gateway serving on %s:%d (block service %s, runner %s)", args.host, service.port,
              gateway.config.block_service, gateway.config.runner)

@@ -42,9 +42,11 @@ def gateway_a(services: Services, block_service: ServiceProcess,
 @pytest.fixture(scope="module")
 def gateway_b(services: Services, block_service: ServiceProcess,
               backend: Backend) -> GatewayProcess:
-    """A second gateway on the same pool, prefilling in chunks of 16 tokens."""
+    """A second gateway on the same pool, prefilling in chunks of 16 tokens (and so running
+    at most 16 sequences: every decode must fit in a step's budget)."""
     return services.gateway(block_service, backend.runner,
-                            "--max-num-batched-tokens", str(CHUNK_TOKENS))
+                            "--max-num-batched-tokens", str(CHUNK_TOKENS),
+                            "--max-num-seqs", str(CHUNK_TOKENS))
 
 
 def wait_idle(backend: Backend, timeout_s: float = 10.0) -> int:

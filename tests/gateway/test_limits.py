@@ -13,6 +13,7 @@ from common.server import ServerOptions
 from gateway.client import PagewireClient, build_request
 from gateway.config import GatewayConfig, config_from_args
 from gateway.server import Gateway, build_parser
+from gateway.server import main as gateway_main
 from gateway.tokenizer import Tokenizer
 from gateway.validation import peer_key
 from protos import gateway_pb2_grpc
@@ -244,3 +245,19 @@ def test_flags_set_every_limit_and_the_defaults_are_safe() -> None:
     assert config_from_args(defaults).max_streams < defaults.max_workers
     with pytest.raises(ValueError, match="--max-streams-per-client"):
         GatewayConfig(max_streams_per_client=0)
+
+
+def test_a_token_budget_below_the_running_sequences_is_refused() -> None:
+    # Each running sequence decodes one token per step; all of them must fit in the budget.
+    with pytest.raises(ValueError, match=r"--max-num-batched-tokens \(63\) must be >= "
+                                         r"--max-num-seqs \(64\)"):
+        GatewayConfig(max_num_batched_tokens=63, max_num_seqs=64)
+    assert GatewayConfig(max_num_batched_tokens=64, max_num_seqs=64).max_num_seqs == 64
+
+
+def test_inconsistent_flags_end_the_gateway_with_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        gateway_main(["--max-num-batched-tokens", "8", "--max-num-seqs", "64"])
+    assert exit_info.value.code == 2
+    assert "--max-num-batched-tokens (8) must be >= --max-num-seqs (64)" in capsys.readouterr().err
