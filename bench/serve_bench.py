@@ -206,7 +206,7 @@ def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Pa
         tokens += w1.output_tokens
         if runner is not None:
             with _progress(f"W1 ceiling (replay), round {round_index + 1}", 1) as bar:
-                replay_seconds += replay(runner, record_path)[0]
+                replay_seconds += replay(runner, record_path)
                 bar.update(1)
     results.set_pagewire("w1_profile", step_profile.profile(windows, seconds, client_cpu_s))
     results.set_pagewire("w1", {"seconds": seconds, "output_tokens": tokens, "rounds": W1_ROUNDS,

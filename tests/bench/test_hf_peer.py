@@ -3,7 +3,7 @@ transformers' queue semantics (finished results in completion order, None on a t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -26,12 +26,10 @@ class FakeManager:
 
     results: list[FakeResult | None]
     running: bool = True
-    calls: int = field(default=0)
 
     def get_result(self, request_id: str | None = None,
                    timeout: float | None = None) -> FakeResult | None:
         assert request_id is None, "the loop must not wait on one request id"
-        self.calls += 1
         return self.results.pop(0) if self.results else None
 
     def is_running(self) -> bool:
