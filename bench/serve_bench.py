@@ -147,21 +147,26 @@ def _latency_row(summary: RunSummary) -> dict[str, float]:
     }
 
 
-def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) -> None:
-    """W1, W2 and W3 through the three services as processes, each saved as it ends; with the
-    ceiling selected, each round of W1 is followed by a replay of its batches."""
-    record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.recording"
-    metrics_port = free_port()
-    config = LaunchConfig(
+def launch_config(runner_args: list[str]) -> LaunchConfig:
+    """The three services with the bench's settings, on free ports, logging to a temp folder."""
+    return LaunchConfig(
         port=free_port(),
-        metrics_port=metrics_port,
+        metrics_port=free_port(),
         block_size=BLOCK_SIZE,
         kv_cache_memory=KV_CACHE_BYTES,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         max_num_seqs=MAX_NUM_SEQS,
-        runner_args=["--record-batches", str(record_path)],
+        runner_args=runner_args,
         log_dir=Path(tempfile.mkdtemp(prefix="pagewire-bench-")),
     )
+
+
+def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) -> None:
+    """W1, W2 and W3 through the three services as processes, each saved as it ends; with the
+    ceiling selected, each round of W1 is followed by a replay of its batches."""
+    record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.recording"
+    config = launch_config(["--record-batches", str(record_path)])
+    metrics_port = config.metrics_port
     launcher = Launcher(config)
     results.start_pagewire()
     try:
