@@ -8,10 +8,11 @@
 Workloads (bench/workloads.py, seeded): W1 offline throughput, W2 shared prefix with prefix
 caching on and off, W3 online Poisson arrivals. Peers on W1: transformers static batching,
 transformers continuous batching, vLLM CPU (when `make bench-peers` installed it), and the
-ceiling: pagewire's own runner replaying the very batches of a W1 run in-process, right after
-it (the services are up and idle meanwhile). W1 and its replay alternate W1_ROUNDS times and
-both rates are totals over the rounds: this machine's speed drifts by tens of percent over
-minutes, and the efficiency should compare runs taken under the same conditions.
+ceiling: pagewire's own runner replaying the very batches of a W1 run in-process. W1 runs in
+W1_ROUNDS rounds, each one pagewire's W1, the ceiling's replay of its batches, then every
+peer's W1 (pagewire's services stay up and idle meanwhile), and every W1 rate is a total over
+the rounds: this machine's speed drifts by tens of percent over minutes, and a ratio should
+compare engines measured under the same conditions, not minutes apart.
 
 Each peer runs in its own child process under a time limit (--peer-timeout, model loading
 included): a peer that hangs or crashes is stopped and shows in the table as "timed out after
@@ -56,7 +57,7 @@ from tqdm import tqdm  # noqa: E402
 
 from bench import step_profile, workloads  # noqa: E402
 from bench.ceiling import replay  # noqa: E402
-from bench.peers.child import run_peer  # noqa: E402
+from bench.peers.child import PeerOutcome, run_peer  # noqa: E402
 from bench.peers.protocol import PeerRequest  # noqa: E402
 from bench.timing import RunSummary, run_workload  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
@@ -161,9 +162,11 @@ def launch_config(runner_args: list[str]) -> LaunchConfig:
     )
 
 
-def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) -> None:
-    """W1, W2 and W3 through the three services as processes, each saved as it ends; with the
-    ceiling selected, each round of W1 is followed by a replay of its batches."""
+def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results,
+                 peers: PeerRounds) -> None:
+    """W1, W2 and W3 through the three services as processes, each saved as it ends; each
+    round of W1 is followed by a replay of its batches (with the ceiling selected) and by the
+    peers' round."""
     record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.recording"
     config = launch_config(["--record-batches", str(record_path)])
     metrics_port = config.metrics_port
@@ -174,7 +177,7 @@ def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) ->
         address = launcher.gateway_address
         _run(address, "warm-up", workloads.offline_throughput(4, seed=99))
         run_w1(address, metrics_port, record_path, model_dir if "ceiling" in args.stages else None,
-               results)
+               results, peers.run_round)
         shared = workloads.shared_prefix()
         # Off: a unique cache salt per request, so no request can reuse another's blocks.
         off = [replace(r, cache_salt=f"off-{i}") for i, r in enumerate(shared)]
@@ -188,9 +191,10 @@ def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results) ->
 
 
 def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Path | None,
-           results: Results) -> None:
+           results: Results, after_round: Callable[[], None] = lambda: None) -> None:
     """W1 in W1_ROUNDS rounds, each followed by the ceiling's replay of its batches (unless
-    ceiling_model is None); rates are totals over the rounds."""
+    ceiling_model is None), then by `after_round` (the peers' round); rates are totals over
+    the rounds."""
     runner = None
     if ceiling_model is not None:
         runner = ModelRunner(RunnerOptions(model=str(ceiling_model), block_size=BLOCK_SIZE,
@@ -213,6 +217,7 @@ def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Pa
             with _progress(f"W1 ceiling (replay), round {round_index + 1}", 1) as bar:
                 replay_seconds += replay(runner, record_path)
                 bar.update(1)
+        after_round()
     results.set_pagewire("w1_profile", step_profile.profile(windows, seconds, client_cpu_s))
     results.set_pagewire("w1", {"seconds": seconds, "output_tokens": tokens, "rounds": W1_ROUNDS,
                                 "tokens_per_s": tokens / seconds})
@@ -250,21 +255,48 @@ def _peer_command(key: str, model_dir: Path) -> list[str] | None:
     return [sys.executable, str(ROOT / "bench" / "peers" / "hf.py"), mode, str(model_dir)]
 
 
-def run_peers(model_dir: Path, selected: list[str], timeout_s: float,
-              results: Results) -> None:
-    """W1 on each selected peer, each in its own child process; saved after each."""
-    requests = [PeerRequest(r.prompt_token_ids, r.max_tokens)
-                for r in workloads.offline_throughput()]
-    for key, name in PEER_NAMES.items():
-        if key not in selected:
-            continue
-        command = _peer_command(key, model_dir)
-        if command is None:
-            print(f"{name} peer skipped: not installed (run `make bench-peers`)",
-                  file=sys.stderr)
-            results.set_peer(name, {"status": "not installed (make bench-peers)"})
-            continue
-        results.set_peer(name, run_peer(f"W1 {name}", command, requests, timeout_s).as_row())
+class PeerRounds:
+    """W1 on each selected peer, once per round, each run in its own child process; a peer's
+    row holds its totals over the rounds so far (saved after every run). A peer that fails or
+    times out in a round keeps that status and is not run again."""
+
+    def __init__(self, model_dir: Path, selected: list[str], timeout_s: float,
+                 results: Results) -> None:
+        self._commands = {key: _peer_command(key, model_dir)
+                          for key in PEER_NAMES if key in selected}
+        self._timeout_s = timeout_s
+        self._results = results
+        self._totals: dict[str, PeerOutcome] = {}
+        self.rounds_done = 0
+        self._requests = [PeerRequest(r.prompt_token_ids, r.max_tokens)
+                          for r in workloads.offline_throughput()]
+
+    def run_round(self) -> None:
+        self.rounds_done += 1
+        for key, command in self._commands.items():
+            name = PEER_NAMES[key]
+            if command is None:
+                if self.rounds_done == 1:
+                    print(f"{name} peer skipped: not installed (run `make bench-peers`)",
+                          file=sys.stderr)
+                    self._results.set_peer(name, {"status": "not installed (make bench-peers)"})
+                continue
+            total = self._totals.get(key)
+            if total is not None and total.status:
+                continue
+            outcome = run_peer(f"W1 {name}, round {self.rounds_done}/{W1_ROUNDS}", command,
+                               self._requests, self._timeout_s)
+            self._totals[key] = add_outcomes(total, outcome)
+            self._results.set_peer(name, {**self._totals[key].as_row(),
+                                          "rounds": self.rounds_done})
+
+
+def add_outcomes(total: PeerOutcome | None, outcome: PeerOutcome) -> PeerOutcome:
+    """Totals over rounds; a failed round's status wins."""
+    if total is None or outcome.status:
+        return outcome
+    return PeerOutcome(total.seconds + outcome.seconds,
+                       total.output_tokens + outcome.output_tokens, total.settings)
 
 
 def _peers_in_order(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -422,13 +454,15 @@ def main() -> None:
     results = Results(args.results_dir, fresh=args.fresh)
     started = time.perf_counter()
     failed = False
+    peers = PeerRounds(model_dir, args.stages, args.peer_timeout, results)
     if "pagewire" in args.stages:
         try:
-            run_pagewire(args, model_dir, results)
+            run_pagewire(args, model_dir, results, peers)
         except Exception:  # the peers still run; what pagewire finished is already saved
             traceback.print_exc()
             failed = True
-    run_peers(model_dir, args.stages, args.peer_timeout, results)
+    while peers.rounds_done < W1_ROUNDS:  # no pagewire stage, or it stopped early
+        peers.run_round()
     results.data["bench_seconds"] = time.perf_counter() - started
     results.save()
     print(markdown(results.data))
