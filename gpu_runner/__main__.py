@@ -16,7 +16,7 @@ from common.server import add_server_arguments, server_options_from_args, start_
 from gpu_runner.attention.selection import BACKEND_CHOICES
 from gpu_runner.layers.linear import LINEAR_BACKENDS
 from gpu_runner.recorder import BatchRecorder
-from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
+from gpu_runner.servicer import IDLE_POLL_S, SERVICE_NAME, RunnerServicer, register_handlers
 
 DEFAULT_PORT = 50052
 
@@ -59,9 +59,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="split the model over N processes (N GPUs; gloo on CPU)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs for decode batches")
+    parser.add_argument("--idle-poll-ms", type=float,
+                        default=float(env("PAGEWIRE_RUNNER_IDLE_POLL_MS", str(IDLE_POLL_S * 1e3))),
+                        help="after a batch the forward thread polls this long for the next "
+                             "before it blocks (keeps its core from going idle between steps; "
+                             "0: block at once)")
     parser.add_argument("--record-batches", type=Path, default=None,
                         help="append every executed ExecuteRequest to this file (benchmarks)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.idle_poll_ms < 0:
+        parser.error(f"--idle-poll-ms must be >= 0, got {args.idle_poll_ms}")
+    return args
 
 
 def _optional_int(value: str | None) -> int | None:
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_runner.runner import ModelRunner, RunnerOptions
 
     recorder = BatchRecorder(args.record_batches) if args.record_batches else None
-    servicer = RunnerServicer(recorder=recorder)
+    servicer = RunnerServicer(recorder=recorder, idle_poll_s=args.idle_poll_ms / 1e3)
     service = start_server(
         server_options_from_args(args),
         lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
@@ -101,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     # A dead tensor-parallel worker: stop serving (Execute answers UNAVAILABLE).
     runner.on_failure(lambda _reason: service.set_serving(False))
     log.info("serving %s on port %d (epoch %d)", runner.folder.name, service.port, runner.epoch)
-    return run_until_signal(service, on_stop=runner.close)
+
+    def stop() -> None:
+        servicer.close()
+        runner.close()
+
+    return run_until_signal(service, on_stop=stop)
 
 
 if __name__ == "__main__":

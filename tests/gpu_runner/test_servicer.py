@@ -161,3 +161,35 @@ def test_main_serves_a_model_folder(tiny_model_dirs: dict[str, Path], tmp_path: 
             assert len(reply.token_ids) == 1 and reply.epoch == info.epoch
     finally:
         assert process.terminate() == 0
+
+
+def test_the_forward_thread_stops_polling_when_the_next_batch_comes(
+        runner: ModelRunner, tiny_model_dirs: dict[str, Path]) -> None:
+    """With a poll far longer than a test may take, batches after the first still run at once:
+    each one ends the poll in progress (else each Execute would wait out the poll before it
+    and hit its 60 s deadline), and close() ends the last one."""
+    servicer = RunnerServicer(runner, idle_poll_s=3600.0)
+    service = start_server(
+        ServerOptions(port=0),
+        lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
+        [SERVICE_NAME],
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    try:
+        stub = runner_pb2_grpc.RunnerServiceStub(channel)
+        prompts = random_prompts(TINY_LENGTHS[:3], seed=5)
+        seqs = grpc_driver(stub, stub.Info(runner_pb2.InfoRequest()), "poll").run_staggered(
+            prompts, STEPS)
+        for prompt, seq in zip(prompts, seqs, strict=True):
+            assert seq.generated == expected_tokens(tiny_model_dirs["qwen3"], prompt)
+    finally:
+        channel.close()
+        service.stop(0)
+        servicer.close()  # returns only once the forward thread has ended its poll
+
+
+def test_idle_poll_flag_is_checked() -> None:
+    from gpu_runner.__main__ import parse_args
+    assert parse_args(["--idle-poll-ms", "0"]).idle_poll_ms == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--idle-poll-ms", "-1"])
