@@ -130,7 +130,7 @@ class StepLoad:
         request.num_computed_tokens.append(num_computed_tokens)
 
 
-def run_w1(address: str, metrics_port: int, salt: str) -> dict[str, float]:
+def measure_w1_round(address: str, metrics_port: int, salt: str) -> dict[str, float]:
     """One W1 round: tokens/s and the gateway's per-step milliseconds."""
     requests = [replace(r, cache_salt=salt) for r in workloads.offline_throughput()]
     before = step_profile.take_snapshot(metrics_port)
@@ -160,12 +160,12 @@ def main() -> None:
             for mode in (ALONE, LOADED) if round_index % 2 == 0 else (LOADED, ALONE):
                 salt = f"probe-{round_index}-{mode}"
                 if mode == ALONE:
-                    rows[mode].append(run_w1(address, config.metrics_port, salt))
+                    rows[mode].append(measure_w1_round(address, config.metrics_port, salt))
                     period_s = rows[mode][-1]["step_ms"] / 1e3
                     continue
                 load = StepLoad(block_address, period_s)
                 try:
-                    rows[mode].append(run_w1(address, config.metrics_port, salt))
+                    rows[mode].append(measure_w1_round(address, config.metrics_port, salt))
                 finally:
                     load.stop()
                 if load.error is not None or load.failed_ops:
@@ -195,7 +195,7 @@ def print_table(rows: dict[str, list[dict[str, float]]]) -> None:
     print(f"load Steps sent per W1 round: {means[LOADED]['load_steps']:.0f}")
     added = means[LOADED]["forward_ms"] - means[ALONE]["forward_ms"]
     print(f"forward per step with the load: {added:+.1f} ms; Step round trip alone (the most "
-          f"an overlap removes): {means['alone']['step_rt_ms']:.1f} ms")
+          f"an overlap removes): {means[ALONE]['step_rt_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         self._forward_thread = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="runner-forward")
         self._idle_poll_s = idle_poll_s
-        self._batches_coming = 0  # batches submitted or about to be (the poll stops at > 0)
+        self._batch_coming = False  # a batch is submitted or about to be: the poll stops
         self._closed = False
 
     def close(self) -> None:
@@ -98,7 +98,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         """Keeps the forward thread's core busy until the next batch or the deadline;
         sched_yield gives the core to any other runnable thread meanwhile."""
         deadline = time.perf_counter() + self._idle_poll_s
-        while not (self._batches_coming or self._closed) and time.perf_counter() < deadline:
+        while not (self._batch_coming or self._closed) and time.perf_counter() < deadline:
             os.sched_yield()
 
     def set_runner(self, runner: ModelRunner) -> None:
@@ -162,14 +162,15 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                 self._recorder.write(request)
             return answer
 
-
     def _execute_on_forward_thread(self, runner: ModelRunner, batch: ExecuteBatch
                                    ) -> ExecuteResult:
-        self._batches_coming += 1  # ends a poll in progress: the batch is queued behind it
+        """Runs the batch on the forward thread (Execute holds the lock: one at a time), then
+        leaves that thread polling for the next one."""
+        self._batch_coming = True  # ends a poll in progress: the batch is queued behind it
         try:
             result = self._forward_thread.submit(runner.execute, batch).result()
         finally:
-            self._batches_coming -= 1
+            self._batch_coming = False
         if self._idle_poll_s > 0:
             self._forward_thread.submit(self._poll_for_next_batch)
         return result
