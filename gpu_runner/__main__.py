@@ -16,7 +16,7 @@ from common.server import add_server_arguments, server_options_from_args, start_
 from gpu_runner.attention.selection import BACKEND_CHOICES
 from gpu_runner.layers.linear import LINEAR_BACKENDS
 from gpu_runner.recorder import BatchRecorder
-from gpu_runner.servicer import IDLE_POLL_S, SERVICE_NAME, RunnerServicer, register_handlers
+from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
 
 DEFAULT_PORT = 50052
 
@@ -59,16 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="split the model over N processes (N GPUs; gloo on CPU)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs for decode batches")
-    parser.add_argument("--idle-poll-ms", type=float,
-                        default=float(env("PAGEWIRE_RUNNER_IDLE_POLL_MS", str(IDLE_POLL_S * 1e3))),
-                        help="after a batch the forward thread polls this long for the next "
-                             "before it blocks (keeps its core from going idle between steps; "
-                             "0: block at once)")
     parser.add_argument("--record-batches", type=Path, default=None,
                         help="append every executed ExecuteRequest to this file (benchmarks)")
     args = parser.parse_args(argv)
-    if args.idle_poll_ms < 0:
-        parser.error(f"--idle-poll-ms must be >= 0, got {args.idle_poll_ms}")
     return args
 
 
@@ -83,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_runner.runner import ModelRunner, RunnerOptions
 
     recorder = BatchRecorder(args.record_batches) if args.record_batches else None
-    servicer = RunnerServicer(recorder=recorder, idle_poll_s=args.idle_poll_ms / 1e3)
+    servicer = RunnerServicer(recorder=recorder)
     service = start_server(
         server_options_from_args(args),
         lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         serving=False,
     )
     try:
-        runner = ModelRunner(RunnerOptions(
+        runner = servicer.load(lambda: ModelRunner(RunnerOptions(
             model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -99,12 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend, linear_backend=args.linear_backend,
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
-        ))
+        )))
     except (OSError, ValueError) as error:
         log.error("cannot load the model: %s", error)
         service.stop(0)
         return 2
-    servicer.set_runner(runner)
     service.set_serving(True)
     # A dead tensor-parallel worker: stop serving (Execute answers UNAVAILABLE).
     runner.on_failure(lambda _reason: service.set_serving(False))

@@ -3,24 +3,24 @@
 - Info: the runner's description (UNAVAILABLE until the model is loaded).
 - Execute: FAILED_PRECONDITION for another epoch; INVALID_ARGUMENT for a malformed batch
   (nothing written); a retried (client_id, step_id) gets its first answer again. One lock
-  serialises batches: the KV cache has one writer. Batches run on one dedicated thread, not on
-  whichever gRPC worker took the call: torch's OpenMP thread team belongs to the OS thread that
-  opens a parallel region, so forwards started from ever-different threads would each bring up
-  (and leave spinning) a team of their own on a machine with no core to spare.
-- After a batch, that thread polls for the next one for up to `idle_poll_s` (yielding its core
-  to anyone who wants it) before it blocks. Between two batches the gateway needs ~8 ms (its
-  Step, the stream sends, the next request); on the 2-core VM this was measured on, a forward
-  that follows an idle gap that long is ~7 % slower than one that follows busy time
-  (docs/gpu_runner.md has the measurements, and how far the polling recovers it).
+  serialises batches: the KV cache has one writer.
+
+Every torch computation of the runner runs on one dedicated thread, the model's loading (its
+warm-up and tuning forwards) included: libgomp gives each OS thread that opens a parallel region
+a team of its own, and once a process holds more OpenMP threads than the machine has cores it
+stops spinning at barriers and sleeps instead (its "throttled" spin count). A model loaded on
+the main thread and run on a gRPC worker or any second thread paid that on every one of a
+forward's ~300 parallel regions: W1's forward took 83-89 ms per step behind the services
+against 72-74 ms with one team (2 cores, 2026-12-01; docs/gpu_runner.md).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -70,39 +70,27 @@ class RetryCache:
             self._last.popitem(last=False)
 
 
-# How long the forward thread polls for the next batch before it blocks (`--idle-poll-ms`).
-IDLE_POLL_S = 0.05
-
-
 class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
-    """Serves Info and Execute for the runner set with set_runner (None while loading)."""
+    """Serves Info and Execute for the runner it was given or has loaded (None while loading)."""
 
     def __init__(self, runner: ModelRunner | None = None,
-                 recorder: BatchRecorder | None = None, idle_poll_s: float = IDLE_POLL_S) -> None:
+                 recorder: BatchRecorder | None = None) -> None:
         self._runner = runner
         self._lock = threading.Lock()
         self._retries = RetryCache()
         self._recorder = recorder
         self._forward_thread = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="runner-forward")
-        self._idle_poll_s = idle_poll_s
-        self._batch_coming = False  # a batch is submitted or about to be: the poll stops
-        self._closed = False
 
     def close(self) -> None:
-        """Ends a poll in progress and stops the forward thread (after the batch it runs)."""
-        self._closed = True
+        """Stops the forward thread (after the batch it runs)."""
         self._forward_thread.shutdown(wait=True)
 
-    def _poll_for_next_batch(self) -> None:
-        """Keeps the forward thread's core busy until the next batch or the deadline;
-        sched_yield gives the core to any other runnable thread meanwhile."""
-        deadline = time.perf_counter() + self._idle_poll_s
-        while not (self._batch_coming or self._closed) and time.perf_counter() < deadline:
-            os.sched_yield()
-
-    def set_runner(self, runner: ModelRunner) -> None:
-        self._runner = runner
+    def load(self, make_runner: Callable[[], ModelRunner]) -> ModelRunner:
+        """Builds the runner on the forward thread (its warm-up and tuning forwards would leave
+        a second OpenMP team on any other: see the module's docstring) and serves it."""
+        self._runner = self._forward_thread.submit(make_runner).result()
+        return self._runner
 
     def _loaded(self, context: grpc.ServicerContext) -> ModelRunner:
         if self._runner is None:
@@ -147,7 +135,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                     # The caller gave up (deadline or cancel) while waiting for the lock.
                     context.abort(grpc.StatusCode.CANCELLED, "the call ended before execution")
                 batch = ExecuteBatch.from_proto(request)
-                result = self._execute_on_forward_thread(runner, batch)
+                result = self._forward_thread.submit(runner.execute, batch).result()
             except BatchError as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except WorkerLostError as error:
@@ -161,19 +149,6 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             if self._recorder is not None:
                 self._recorder.write(request)
             return answer
-
-    def _execute_on_forward_thread(self, runner: ModelRunner, batch: ExecuteBatch
-                                   ) -> ExecuteResult:
-        """Runs the batch on the forward thread (Execute holds the lock: one at a time), then
-        leaves that thread polling for the next one."""
-        self._batch_coming = True  # ends a poll in progress: the batch is queued behind it
-        try:
-            result = self._forward_thread.submit(runner.execute, batch).result()
-        finally:
-            self._batch_coming = False
-        if self._idle_poll_s > 0:
-            self._forward_thread.submit(self._poll_for_next_batch)
-        return result
 
 
 def to_response(result: ExecuteResult, epoch: int, received: float) -> runner_pb2.ExecuteResponse:

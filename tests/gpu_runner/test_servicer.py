@@ -4,6 +4,7 @@ validation status codes, retries; and `python -m gpu_runner` as a process."""
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from grpc_health.v1 import health_pb2
 
 from common.server import ServerOptions, start_server
 from gpu_runner.batch import ExecuteBatch
-from gpu_runner.runner import ModelRunner
+from gpu_runner.runner import ExecuteResult, ModelRunner
 from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
 from protos import runner_pb2, runner_pb2_grpc
 from tests.gpu_runner.conftest import make_runner
@@ -163,33 +164,34 @@ def test_main_serves_a_model_folder(tiny_model_dirs: dict[str, Path], tmp_path: 
         assert process.terminate() == 0
 
 
-def test_the_forward_thread_stops_polling_when_the_next_batch_comes(
-        runner: ModelRunner, tiny_model_dirs: dict[str, Path]) -> None:
-    """With a poll far longer than a test may take, batches after the first still run at once:
-    each one ends the poll in progress (else each Execute would wait out the poll before it
-    and hit its 60 s deadline), and close() ends the last one."""
-    servicer = RunnerServicer(runner, idle_poll_s=3600.0)
+def test_the_model_loads_on_the_thread_that_runs_its_batches(
+        runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading and every batch share one OS thread, so the process holds one OpenMP team."""
+    threads: dict[str, int] = {}
+
+    def make_runner() -> ModelRunner:
+        threads["load"] = threading.get_ident()
+        return runner
+
+    def execute(batch: ExecuteBatch) -> ExecuteResult:
+        threads["execute"] = threading.get_ident()
+        return original_execute(batch)
+
+    original_execute = runner.execute
+    monkeypatch.setattr(runner, "execute", execute)
+    servicer = RunnerServicer()
     service = start_server(
         ServerOptions(port=0),
         lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
         [SERVICE_NAME],
     )
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     try:
-        stub = runner_pb2_grpc.RunnerServiceStub(channel)
-        prompts = random_prompts(TINY_LENGTHS[:3], seed=5)
-        seqs = grpc_driver(stub, stub.Info(runner_pb2.InfoRequest()), "poll").run_staggered(
-            prompts, STEPS)
-        for prompt, seq in zip(prompts, seqs, strict=True):
-            assert seq.generated == expected_tokens(tiny_model_dirs["qwen3"], prompt)
+        assert servicer.load(make_runner) is runner
+        with grpc.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+            stub = runner_pb2_grpc.RunnerServiceStub(channel)
+            reply = stub.Execute(_one_prompt_request(stub.Info(runner_pb2.InfoRequest())))
+        assert len(reply.token_ids) == 1
+        assert threads["execute"] == threads["load"] != threading.get_ident()
     finally:
-        channel.close()
         service.stop(0)
-        servicer.close()  # returns only once the forward thread has ended its poll
-
-
-def test_idle_poll_flag_is_checked() -> None:
-    from gpu_runner.__main__ import parse_args
-    assert parse_args(["--idle-poll-ms", "0"]).idle_poll_ms == 0
-    with pytest.raises(SystemExit):
-        parse_args(["--idle-poll-ms", "-1"])
+        servicer.close()
