@@ -1,12 +1,13 @@
-"""Linear layers at decode row counts: the C++ panel kernel against MKL's packed sgemm.
+"""The CPU float32 GEMM kernels of gpu_runner/layers/linear.py side by side, over a whole model.
 
 One run = every projection of SmolLM2-135M's 30 layers plus the LM head (its shapes, random
-weights), in model order, at one row count: ~540 MB of float32 weights per run, more than this
-machine's caches, so the weights stream from memory as they do in a decode step (timing one
-weight in a loop would leave it in the cache and hide that). Both paths alternate in the same
-process; each figure is the median over runs.
+weights), in model order, at one row count, on one kernel: ~540 MB of float32 weights per run,
+more than this machine's caches, so the weights stream from memory as they do in a decode step
+(timing one weight in a loop would leave it in the cache and hide that). The kernels alternate
+in the same process; each figure is the median over runs, and the last column the fastest
+other kernel's time over the panels'.
 
-    python bench/linear.py [--rows 1 4 8 16 32 64] [--runs 7]
+    python bench/linear.py [--rows 1 4 8 16 32 64 128 512 2048] [--runs 5]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_runner import cpu_kernels
-from gpu_runner.layers.linear import pack_weight
+from gpu_runner.layers.linear import Gemm, candidate_kernels
 
 LAYERS = 30
 # (out_features, in_features) of one decoder layer: q/k/v fused, o, gate/up fused, down.
@@ -37,55 +38,51 @@ def model_weights() -> list[torch.Tensor]:
     return [torch.randn(*shape, generator=gen) * 0.05 for shape in shapes]
 
 
-def median_ms(run: Callable[[], object], runs: list[float]) -> None:
-    start = time.perf_counter()
-    run()
-    runs.append((time.perf_counter() - start) * 1e3)
+def model_runs(weights: list[torch.Tensor]) -> dict[Gemm, list[Callable[[torch.Tensor], object]]]:
+    """Per kernel, one call per weight (each with the layout that kernel needs)."""
+    per_weight = [candidate_kernels(w, None, cpu_kernels.pack_panels(w)) for w in weights]
+    return {kernel: [runs[kernel] for runs in per_weight] for kernel in per_weight[0]}
 
 
-def bench_rows(weights: list[torch.Tensor], panels: list[torch.Tensor],
-               mkl: list[torch.Tensor], rows: int, num_runs: int) -> tuple[float, float]:
-    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
-    for w, p in zip(weights[:4], panels[:4], strict=True):  # same results, both paths
-        x = inputs[w.shape[1]]
-        torch.testing.assert_close(cpu_kernels.panel_linear(x, p, None, w.shape[0]),
-                                   torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
-
-    def panel_path() -> None:
-        for w, p in zip(weights, panels, strict=True):
-            cpu_kernels.panel_linear(inputs[w.shape[1]], p, None, w.shape[0])
-
-    def mkl_path() -> None:
-        for w, m in zip(weights, mkl, strict=True):
-            torch.ops.mkl._mkl_linear(inputs[w.shape[1]], m, w, None, rows)
-
-    panel_path(), mkl_path()  # warm-up
-    panel_runs: list[float] = []
-    mkl_runs: list[float] = []
-    for run in range(num_runs):
-        pair = [(panel_path, panel_runs), (mkl_path, mkl_runs)]
-        for fn, runs in pair if run % 2 == 0 else reversed(pair):
-            median_ms(fn, runs)
-    return statistics.median(panel_runs), statistics.median(mkl_runs)
+def bench_rows(weights: list[torch.Tensor], runs: dict[Gemm, list[Callable[[torch.Tensor],
+               object]]], rows: int, num_runs: int) -> dict[Gemm, float]:
+    """Median ms of one pass over the model per kernel, after checking they agree."""
+    inputs = [torch.randn(rows, w.shape[1]) for w in weights]
+    for kernel, calls in runs.items():  # same results on every kernel
+        torch.testing.assert_close(calls[0](inputs[0]),
+                                   torch.nn.functional.linear(inputs[0], weights[0]),
+                                   rtol=1e-4, atol=1e-4, msg=kernel.value)
+    times: dict[Gemm, list[float]] = {kernel: [] for kernel in runs}
+    for run in range(num_runs + 1):  # the first round warms up
+        order = list(runs) if run % 2 == 0 else list(reversed(runs))
+        for kernel in order:
+            start = time.perf_counter()
+            for call, x in zip(runs[kernel], inputs, strict=True):
+                call(x)
+            if run:
+                times[kernel].append((time.perf_counter() - start) * 1e3)
+    return {kernel: statistics.median(ms) for kernel, ms in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
-    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--rows", type=int, nargs="+",
+                        default=[1, 4, 8, 16, 32, 64, 128, 512, 2048])
+    parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     if not cpu_kernels.available():
         sys.exit("the C++ kernels are unavailable (see the warning above)")
     weights = model_weights()
-    panels = [cpu_kernels.pack_panels(w) for w in weights]
-    mkl = [pack_weight(w) for w in weights]
+    runs = model_runs(weights)
     print(f"{len(weights)} weights ({sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB) per "
-          f"run, {torch.get_num_threads()} threads, median of {args.runs} runs")
-    print(f"{'rows':>5} {'panels ms':>10} {'MKL packed ms':>14} {'MKL / panels':>13}")
+          f"run, {torch.get_num_threads()} threads, median of {args.runs} runs, ms per run")
+    print(f"{'rows':>5} " + " ".join(f"{kernel.value:>11}" for kernel in runs)
+          + f" {'best other / panels':>20}")
     for rows in args.rows:
-        panel_ms, mkl_ms = bench_rows(weights, panels, mkl, rows, args.runs)
-        print(f"{rows:>5} {panel_ms:>10.1f} {mkl_ms:>14.1f} {mkl_ms / panel_ms:>12.2f}x",
-              flush=True)
+        ms = bench_rows(weights, runs, rows, args.runs)
+        best_other = min(t for kernel, t in ms.items() if kernel is not Gemm.PANELS)
+        print(f"{rows:>5} " + " ".join(f"{ms[kernel]:>11.1f}" for kernel in runs)
+              + f" {best_other / ms[Gemm.PANELS]:>19.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ def main() -> int:
                     tokens / ours_ms * 1e3, tokens / theirs_ms * 1e3, "tok/s"))
     print_table(rows, folder.name, threads, ours.linear_backend)
     for shape, policy in ours.linear_policies.items():
-        print(f"  packed weights for {shape.out_features}x{shape.in_features}: "
+        print(f"  kernels for {shape.out_features}x{shape.in_features}: "
               f"{policy.describe()}")
     return 0
 

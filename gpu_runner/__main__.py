@@ -49,11 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--linear-backend",
                         default=env("PAGEWIRE_RUNNER_LINEAR_BACKEND", "auto"),
                         choices=list(LINEAR_BACKENDS),
-                        help="auto: on CPU in float32, the C++ panel kernel for 3-64 rows and "
-                             "MKL-packed weights for the other row counts where a measurement "
-                             "at start finds them faster (each costs a copy of the weights); "
-                             "packed: MKL-packed always for <= 2048 rows; plain: off (always "
-                             "plain on CUDA)")
+                        help="auto: on CPU in float32, the C++ panel kernel for 1-64 rows and "
+                             "above that the fastest of MKL sgemm, MKL-packed weights, the panels "
+                             "and oneDNN, measured per weight shape at start; packed: MKL-packed "
+                             "always; plain: MKL sgemm always (always plain on CUDA)")
     parser.add_argument("--tensor-parallel-size", type=int,
                         default=int(env("PAGEWIRE_RUNNER_TENSOR_PARALLEL_SIZE", "1")),
                         help="split the model over N processes (N GPUs; gloo on CPU)")

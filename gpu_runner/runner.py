@@ -49,8 +49,8 @@ from gpu_runner.kv_cache import (
     num_blocks_for_budget,
 )
 from gpu_runner.layers.linear import (
+    GemmPolicy,
     GemmShape,
-    PackPolicy,
     install_linear_backend,
     resolve_linear_backend,
 )
@@ -203,7 +203,7 @@ class ModelRunner:
             model.interleave_rotary()  # rotary as one complex multiply (layers/rotary.py)
         return model, config, local
 
-    def _install_linear_backend(self) -> tuple[str, dict[GemmShape, PackPolicy]]:
+    def _install_linear_backend(self) -> tuple[str, dict[GemmShape, GemmPolicy]]:
         """Packs the projections' weights where that is faster (CPU float32). Not with tensor
         parallelism: its row-parallel layers have their own forward. Returns the backend and
         the policy of each weight shape."""

@@ -1,33 +1,31 @@
 """Projections (including the fused ones: q/k/v in one matmul, gate/up in another) and the
-CPU GEMM dispatch that picks, per call, between plain, MKL-packed and panel-packed weights.
+CPU GEMM dispatch that picks, per call, the kernel for the call's row count.
 
-Panels first: with PANEL_ROWS rows (decode batches) a CPU float32 projection goes through the
-C++ panel kernel (gpu_runner/cpu_kernels.py, csrc/panel_linear.cpp), which streams
-the weight from memory while it computes; at these row counts every decode step reads all the
-weights, which do not fit in the cache, and MKL leaves the memory idle (12-24 % slower from 4
-to 48 rows, ~8 % at 64, measured over all of SmolLM2-135M's layers with bench/linear.py; at 1
-and 2 rows MKL is 2-10 % faster and keeps them). It is not measured
-per machine at load like the MKL choice below: a load-time measurement repeats one weight,
-which then sits in the cache, the one case where the panels have no edge. `--linear-backend
-packed` (MKL for every row count) and `plain` do without them.
+The kernels (`Gemm`), CPU float32:
+- PLAIN: `F.linear`, MKL sgemm, which re-packs the weight into its own layout on every call.
+- MKL_PACKED: MKL sgemm on a weight packed once at load (`_mkl_reorder_linear_weight`): with few
+  rows the per-call packing is most of PLAIN's time. A copy of the weight.
+- PANELS: the C++ panel kernel (gpu_runner/cpu_kernels.py, csrc/panel_linear.cpp), which streams
+  the weight from memory while it computes. A copy of the weight in its layout.
+- ONEDNN: oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`) on the plain weight. MKL
+  picks its code path by CPU vendor: on AMD it runs without AVX-512, and oneDNN and the panels
+  are then ~2x faster at every row count (bench/linear.py).
 
-Above the panels' rows (and where the C++ kernels cannot be built), between plain and
-MKL-packed weights: on CPU, `F.linear` (MKL sgemm) re-packs the weight into MKL's internal layout
-on every call. With few rows (decode: one row per sequence) that packing is most of the time;
-a weight packed once at load (`torch.ops.mkl._mkl_reorder_linear_weight`, multiplied with
-`torch.ops.mkl._mkl_linear`) skips it and is up to 2-3x faster. With many rows (prefill) the
-packed path is slower than plain sgemm, and where the crossover lies depends on the weight's
-shape. So the choice is measured once per weight shape (N, K) at load over power-of-two row
+Which is fastest depends on the CPU, the row count and the weight's shape, so above the
+panels' rows it is measured once per weight shape (N, K) at load, over power-of-two row
 buckets (`tune_policy`), and each call rounds its row count up to a bucket and looks it up.
+At PANEL_ROWS (decode batches) the panels are used without a measurement: every decode step
+reads all the weights, which do not fit in the cache, and a load-time measurement repeats one
+weight, which then sits in the cache, the one case where the panels have no edge.
 
-Cost: each packed layout is another copy of the weight (panels: +100 % of the weight memory;
-MKL's, for the shapes whose measured policy uses it outside PANEL_ROWS: up to +100 % more;
-~+0.5 GB each for SmolLM2-135M in float32). CPU float32 only: CUDA and other dtypes always use
-plain `F.linear`.
+Cost: the panels are +100 % of the weight memory; MKL's layout, for the shapes whose policy
+uses it, up to +100 % more (~+0.5 GB each for SmolLM2-135M in float32). CUDA and other dtypes
+always use plain `F.linear`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -42,15 +40,17 @@ from gpu_runner import cpu_kernels
 
 log = logging.getLogger(__name__)
 
-# `--linear-backend`: auto = panels for PANEL_ROWS rows, elsewhere MKL-packed where measured
-# faster (CPU float32), else plain; packed = MKL-packed for every row count up to the last
-# bucket (no measurement, no panels); plain = off.
+# `--linear-backend`: auto = panels for PANEL_ROWS rows, elsewhere the kernel measured fastest
+# (CPU float32); packed = MKL-packed for every row count up to the last bucket (no
+# measurement, no panels); plain = off.
 LINEAR_BACKENDS = ("auto", "packed", "plain")
-# The row counts that go through the panel kernel (where bench/linear.py measured it faster).
-PANEL_ROWS = range(3, 65)
+# The row counts that go through the panel kernel unmeasured (bench/linear.py: faster than
+# every other kernel here on the EPYC VM, 1.5-3.5x; on the Xeon VM 8-24 % faster than
+# MKL-packed from 4 to 64 rows and 2-10 % slower at 1-2).
+PANEL_ROWS = range(1, 65)
 
-# Row counts are rounded up to a power of two; above the last bucket (or above a shape's
-# measuring budget, TUNE_MAX_MACS) plain sgemm is used: there the two tie on the shapes seen.
+# Row counts are rounded up to a power of two; above the last bucket, and at buckets above a
+# shape's measuring budget (TUNE_MAX_MACS), the last measured bucket's kernel is used.
 ROW_BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048
 # A bucket is measured only if rows * N * K stays under this (it bounds the start-up cost:
 # the 49152x576 lm_head is measured up to 256 rows, the decoder's weights up to 2048).
@@ -59,69 +59,84 @@ TUNE_MAX_MACS = 1 << 33
 # hint of 256 is at least as fast as plain sgemm from 4 to 2048 rows, while a hint of 8 is
 # up to 1.5x slower than plain from 256 rows on.
 PACK_ROWS_HINT = 256
-# Packed must beat plain by this fraction to be chosen: a tie keeps plain (no extra memory).
+# MKL-packed, the one kernel that needs a copy made for it, must beat the fastest other kernel
+# by this fraction to be chosen.
 MIN_GAIN = 0.05
 TUNE_ROUNDS = 5
-# Once packed has won and then lost at this many consecutive larger buckets, the larger ones
-# are not measured (past its winning range it only gets worse with more rows); this keeps the
-# lm_head's tuning short. Not before a win: packed often ties at 1-2 rows and wins at 4-32.
-STOP_AFTER_LOSSES = 2
+
+
+class Gemm(enum.Enum):
+    """The kernels a CPU float32 projection can run on (see the module's docstring)."""
+
+    PLAIN = "plain"
+    MKL_PACKED = "mkl-packed"
+    PANELS = "panels"
+    ONEDNN = "onednn"
 
 
 @dataclass(frozen=True)
-class PackPolicy:
-    """For one weight shape: whether the packed weight is used at each row bucket."""
+class GemmPolicy:
+    """For one weight shape: the kernel used at each row bucket."""
 
-    packed_buckets: tuple[bool, ...]  # aligned with ROW_BUCKETS
+    kernels: tuple[Gemm, ...]  # aligned with ROW_BUCKETS
 
-    def uses_packed(self, rows: int) -> bool:
+    def kernel(self, rows: int) -> Gemm:
+        if rows <= 0:
+            return Gemm.PLAIN
         bucket = (rows - 1).bit_length()  # the index of the smallest 2**i >= rows
-        return rows > 0 and bucket < len(self.packed_buckets) and self.packed_buckets[bucket]
+        return self.kernels[min(bucket, len(self.kernels) - 1)]
 
-    @property
-    def packs_any(self) -> bool:
-        return any(self.packed_buckets)
+    def uses(self, kernel: Gemm) -> bool:
+        return kernel in self.kernels
 
     def describe(self) -> str:
-        """The row buckets that use the packed weight, e.g. "buckets 1,2,4,8" or "none"."""
-        chosen = [str(ROW_BUCKETS[i]) for i, packed in enumerate(self.packed_buckets) if packed]
-        return ("buckets " + ",".join(chosen)) if chosen else "none"
+        """Row ranges and their kernels, e.g. "rows 1-64: panels, 65-2048: onednn"."""
+        parts: list[str] = []
+        first = 1
+        for index, kernel in enumerate(self.kernels):
+            last = ROW_BUCKETS[index]
+            if index + 1 == len(self.kernels) or self.kernels[index + 1] is not kernel:
+                parts.append(f"{first}-{last}: {kernel.value}")
+                first = last + 1
+        return "rows " + ", ".join(parts)
 
 
-ALWAYS_PACKED = PackPolicy(tuple(True for _ in ROW_BUCKETS))
-NEVER_PACKED = PackPolicy(tuple(False for _ in ROW_BUCKETS))
+ALWAYS_MKL_PACKED = GemmPolicy(tuple(Gemm.MKL_PACKED for _ in ROW_BUCKETS))
+ALWAYS_PLAIN = GemmPolicy(tuple(Gemm.PLAIN for _ in ROW_BUCKETS))
 
 
 @dataclass(frozen=True)
 class GemmShape:
-    """What a packing decision depends on, on one machine (the thread count included)."""
+    """What a kernel choice depends on, on one machine (the thread count included)."""
 
     out_features: int
     in_features: int
     has_bias: bool
     threads: int
-    panels: bool  # the panel kernel takes PANEL_ROWS rows: MKL is measured for the others
+    panels: bool  # the panel kernel is built: it takes PANEL_ROWS, and competes above
 
 
 @dataclass
 class PackedWeight:
-    """A weight's packed layouts, and when to use them (attached to one Linear or LM head)."""
+    """A weight's packed layouts, and which kernel to use when (attached to one Linear)."""
 
-    packed: torch.Tensor | None  # MKL's opaque packed layout (None: the policy packs none)
-    policy: PackPolicy  # when to use `packed`
-    panels: torch.Tensor | None = None  # the panel kernel's layout, used for PANEL_ROWS rows
+    packed: torch.Tensor | None  # MKL's opaque packed layout (None: the policy never uses it)
+    policy: GemmPolicy
+    panels: torch.Tensor | None = None  # the panel kernel's layout (None: never used)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
-    """y = x @ weight^T (+ bias), through a packed layout where it is the faster one for x's
-    row count."""
+    """y = x @ weight^T (+ bias), on the kernel `packed` names for x's row count."""
     if packed is not None:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if packed.panels is not None and rows in PANEL_ROWS:
+        kernel = packed.policy.kernel(rows)
+        if kernel is Gemm.PANELS and packed.panels is not None:
             return cpu_kernels.panel_linear(x, packed.panels, bias, weight.shape[0])
-        if packed.packed is not None and packed.policy.uses_packed(rows):
+        if kernel is Gemm.MKL_PACKED and packed.packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed.packed, weight, bias, rows)
+        if kernel is Gemm.ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -186,43 +201,81 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
-def tune_policy(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
-                rounds: int = TUNE_ROUNDS, skip_rows: range = range(0)) -> PackPolicy:
-    """Times plain vs packed at each row bucket (interleaved, best of `rounds`, so both see
-    the same machine load) and keeps packed where it wins by MIN_GAIN. A bucket whose row
-    counts all lie in `skip_rows` (the panels' rows) is not measured and never packed."""
-    chosen: list[bool] = []
-    losses_after_win = 0
+def onednn_supported() -> bool:
+    """oneDNN's linear: a torch built with it (x86 and ARM wheels are)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018 (the lookup raises when missing)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+GemmRun = Callable[[torch.Tensor], object]  # runs one kernel on an input x
+
+
+def candidate_kernels(weight: torch.Tensor, bias: torch.Tensor | None,
+                      panels: torch.Tensor | None) -> dict[Gemm, GemmRun]:
+    """The kernels a shape's tuning compares (MKL's layout made here, for the measurement)."""
+    mkl_packed = pack_weight(weight)
+    candidates: dict[Gemm, GemmRun] = {
+        Gemm.PLAIN: lambda x: F.linear(x, weight, bias),
+        Gemm.MKL_PACKED: lambda x: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, bias,
+                                                             x.shape[0]),
+    }
+    if panels is not None:
+        candidates[Gemm.PANELS] = lambda x: cpu_kernels.panel_linear(x, panels, bias,
+                                                                     weight.shape[0])
+    if onednn_supported():
+        candidates[Gemm.ONEDNN] = lambda x: torch.ops.mkldnn._linear_pointwise(
+            x, weight, bias, "none", [], "")
+    return candidates
+
+
+def tune_policy(weight: torch.Tensor, candidates: dict[Gemm, GemmRun],
+                rounds: int = TUNE_ROUNDS, panel_rows: range = range(0)) -> GemmPolicy:
+    """Times the candidates at each row bucket (interleaved, best of `rounds`, so all see the
+    same machine load) and keeps the fastest (`_fastest`). A bucket whose row counts all lie in
+    `panel_rows` is not measured: it takes the panels; one over the budget takes the kernel of
+    the bucket below."""
+    chosen: list[Gemm] = []
     generator = torch.Generator().manual_seed(0)  # leaves the global RNG alone
     for rows in ROW_BUCKETS:
         smallest = rows // 2 + 1  # the bucket's row counts: smallest .. rows
-        if ((smallest in skip_rows and rows in skip_rows)
-                or losses_after_win >= STOP_AFTER_LOSSES
-                or rows * weight.shape[0] * weight.shape[1] > TUNE_MAX_MACS):
-            chosen.append(False)
+        if smallest in panel_rows and rows in panel_rows:
+            chosen.append(Gemm.PANELS)
+            continue
+        if rows * weight.shape[0] * weight.shape[1] > TUNE_MAX_MACS:
+            chosen.append(chosen[-1] if chosen else Gemm.PLAIN)
             continue
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=generator)
-        plain_s, packed_s = _best_of_interleaved(
-            partial(F.linear, x, weight, bias),
-            partial(torch.ops.mkl._mkl_linear, x, packed, weight, bias, rows),
-            rounds)
-        wins = packed_s < plain_s * (1 - MIN_GAIN)
-        losses_after_win = 0 if wins else losses_after_win + (1 if any(chosen) else 0)
-        chosen.append(wins)
-    return PackPolicy(tuple(chosen))
+        seconds = _best_of_interleaved([partial(run, x) for run in candidates.values()], rounds)
+        chosen.append(_fastest(dict(zip(candidates, seconds, strict=True))))
+    return GemmPolicy(tuple(chosen))
 
 
-def _best_of_interleaved(first: Callable[[], object], second: Callable[[], object],
-                         rounds: int) -> tuple[float, float]:
-    best = [float("inf"), float("inf")]
-    first()  # warm-up: first-call allocations are not the steady state
-    second()
+def _fastest(seconds: dict[Gemm, float]) -> Gemm:
+    """The fastest kernel; MKL-packed only if it beats the fastest other by MIN_GAIN (it is the
+    one that costs a copy of the weight made for it alone)."""
+    others = {kernel: s for kernel, s in seconds.items() if kernel is not Gemm.MKL_PACKED}
+    best = min(others, key=others.__getitem__)
+    packed_s = seconds.get(Gemm.MKL_PACKED)
+    if packed_s is not None and packed_s < others[best] * (1 - MIN_GAIN):
+        return Gemm.MKL_PACKED
+    return best
+
+
+def _best_of_interleaved(runs: list[Callable[[], object]], rounds: int) -> list[float]:
+    best = [float("inf")] * len(runs)
+    for run in runs:  # warm-up: first-call allocations are not the steady state
+        run()
     for _ in range(rounds):
-        for index, run in enumerate((first, second)):
+        for index, run in enumerate(runs):
             start = time.perf_counter()
             run()
             best[index] = min(best[index], time.perf_counter() - start)
-    return best[0], best[1]
+    return best
 
 
 class PolicyCache:
@@ -230,15 +283,15 @@ class PolicyCache:
     process (tests build many) reuses the measurements, and layers of one shape share one."""
 
     def __init__(self) -> None:
-        self._policies: dict[GemmShape, PackPolicy] = {}
+        self._policies: dict[GemmShape, GemmPolicy] = {}
 
-    def policy(self, shape: GemmShape, weight: torch.Tensor, bias: torch.Tensor | None
-               ) -> PackPolicy:
+    def policy(self, shape: GemmShape, weight: torch.Tensor, bias: torch.Tensor | None,
+               panels: torch.Tensor | None) -> GemmPolicy:
         """The cached policy of `shape`, measured on `weight` the first time."""
         if shape not in self._policies:
             self._policies[shape] = tune_policy(
-                weight, bias, pack_weight(weight),
-                skip_rows=PANEL_ROWS if shape.panels else range(0))
+                weight, candidate_kernels(weight, bias, panels),
+                panel_rows=PANEL_ROWS if panels is not None else range(0))
         return self._policies[shape]
 
 
@@ -254,10 +307,10 @@ def packable_modules(model: nn.Module) -> Iterator[Linear]:
 
 
 def install_linear_backend(model: nn.Module, backend: str,
-                           cache: PolicyCache = POLICIES) -> dict[GemmShape, PackPolicy]:
-    """Attaches packed weights to the model's projections per `backend` (a resolved one:
-    plain, packed or auto); returns the policy used for each weight shape."""
-    policies: dict[GemmShape, PackPolicy] = {}
+                           cache: PolicyCache = POLICIES) -> dict[GemmShape, GemmPolicy]:
+    """Attaches packed weights and kernel policies to the model's projections per `backend`
+    (a resolved one: plain, packed or auto); returns the policy used for each weight shape."""
+    policies: dict[GemmShape, GemmPolicy] = {}
     extra_bytes = 0
     with torch.inference_mode():
         for module in packable_modules(model):
@@ -271,25 +324,23 @@ def install_linear_backend(model: nn.Module, backend: str,
                 copies = (layouts.packed is not None) + (layouts.panels is not None)
                 extra_bytes += copies * module.weight.numel() * module.weight.element_size()
     for shape, policy in policies.items():
-        log.info("linear %dx%d: %sMKL-packed weight at %s", shape.out_features,
-                 shape.in_features,
-                 f"panels at {PANEL_ROWS.start}-{PANEL_ROWS.stop - 1} rows, "
-                 if shape.panels else "",
-                 policy.describe())
+        log.info("linear %dx%d: %s", shape.out_features, shape.in_features, policy.describe())
     if extra_bytes:
         log.info("packed weights: %.0f MiB extra", extra_bytes / 2**20)
     return policies
 
 
 def _attach_packed(module: Linear, backend: str, cache: PolicyCache
-                   ) -> tuple[GemmShape, PackPolicy]:
+                   ) -> tuple[GemmShape, GemmPolicy]:
     weight, bias = module.weight, module.bias
     use_panels = backend == "auto" and cpu_kernels.available(weight.device)
     shape = GemmShape(weight.shape[0], weight.shape[1], bias is not None,
                       torch.get_num_threads(), use_panels)
-    policy = ALWAYS_PACKED if backend == "packed" else cache.policy(shape, weight, bias)
-    mkl_packed = pack_weight(weight) if policy.packs_any else None
     panels = cpu_kernels.pack_panels(weight) if use_panels else None
-    if mkl_packed is not None or panels is not None:
-        module.packed = PackedWeight(mkl_packed, policy, panels)
+    policy = (ALWAYS_MKL_PACKED if backend == "packed"
+              else cache.policy(shape, weight, bias, panels))
+    if policy != ALWAYS_PLAIN:
+        module.packed = PackedWeight(
+            pack_weight(weight) if policy.uses(Gemm.MKL_PACKED) else None, policy,
+            panels if policy.uses(Gemm.PANELS) else None)
     return shape, policy

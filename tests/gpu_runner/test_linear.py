@@ -1,6 +1,7 @@
-"""The CPU GEMM dispatch of gpu_runner/layers/linear.py: plain F.linear or MKL-packed weights
-chosen by row count. Oracles: float64 matmuls, hand-computed bucket indices, and
-transformers' greedy generate for the default model run entirely through packed weights."""
+"""The CPU GEMM dispatch of gpu_runner/layers/linear.py: plain F.linear, MKL-packed weights,
+the panel kernel or oneDNN, chosen by row count. Oracles: float64 matmuls, hand-computed bucket
+indices, and transformers' greedy generate for the default model run entirely through MKL-packed
+weights, and entirely through oneDNN."""
 
 from __future__ import annotations
 
@@ -14,18 +15,22 @@ from gpu_runner import cpu_kernels
 from gpu_runner.layers import linear as linear_module
 from gpu_runner.layers.embedding import LMHead
 from gpu_runner.layers.linear import (
-    ALWAYS_PACKED,
-    NEVER_PACKED,
+    ALWAYS_MKL_PACKED,
+    ALWAYS_PLAIN,
+    MIN_GAIN,
     PANEL_ROWS,
     ROW_BUCKETS,
+    Gemm,
+    GemmPolicy,
     GemmShape,
     Linear,
     MergedLinear,
     PackedWeight,
-    PackPolicy,
     PolicyCache,
+    candidate_kernels,
     install_linear_backend,
     linear,
+    onednn_supported,
     pack_weight,
     packing_supported,
     resolve_linear_backend,
@@ -37,6 +42,9 @@ from tests.gpu_runner.test_parity import smol_prompts
 CPU = torch.device("cpu")
 needs_mkl = pytest.mark.skipif(not packing_supported(CPU, torch.float32),
                                reason="this torch has no MKL packed sgemm")
+needs_onednn = pytest.mark.skipif(not onednn_supported(), reason="this torch has no oneDNN")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason="the C++ CPU kernels cannot be built here")
 # Two float32 GEMMs of K <= 1536 with O(1) inputs differ from the float64 result by ~1e-5
 # at most; 1e-4 leaves room for either accumulation order, not for a wrong result.
 ATOL = 1e-4
@@ -56,50 +64,74 @@ def _f64_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (256, 8), (257, 9), (2048, 11),
 ])
 def test_rows_round_up_to_a_power_of_two_bucket(rows: int, bucket: int) -> None:
-    only = PackPolicy(tuple(i == bucket for i in range(len(ROW_BUCKETS))))
-    all_but = PackPolicy(tuple(i != bucket for i in range(len(ROW_BUCKETS))))
-    assert only.uses_packed(rows)
-    assert not all_but.uses_packed(rows)
+    policy = GemmPolicy(tuple(Gemm.ONEDNN if i == bucket else Gemm.PLAIN
+                              for i in range(len(ROW_BUCKETS))))
+    assert policy.kernel(rows) is Gemm.ONEDNN
+    assert policy.kernel(ROW_BUCKETS[bucket - 1] if bucket else 2**bucket + 1) is Gemm.PLAIN
 
 
-def test_no_bucket_beyond_the_last_or_for_zero_rows() -> None:
+def test_beyond_the_last_bucket_the_last_kernel_and_plain_for_zero_rows() -> None:
     assert ROW_BUCKETS[-1] == 2048
-    assert ALWAYS_PACKED.uses_packed(2048)
-    assert not ALWAYS_PACKED.uses_packed(2049)
-    assert not ALWAYS_PACKED.uses_packed(4096)
-    assert not ALWAYS_PACKED.uses_packed(0)
-    assert not NEVER_PACKED.uses_packed(1)
+    policy = GemmPolicy((Gemm.PANELS,) * (len(ROW_BUCKETS) - 1) + (Gemm.ONEDNN,))
+    assert policy.kernel(1) is Gemm.PANELS
+    assert policy.kernel(2048) is policy.kernel(2049) is policy.kernel(8192) is Gemm.ONEDNN
+    assert policy.kernel(0) is Gemm.PLAIN
+    assert ALWAYS_MKL_PACKED.kernel(4096) is Gemm.MKL_PACKED
 
 
-def test_describe_names_the_packed_buckets() -> None:
-    assert PackPolicy((True, True, False, True)).describe() == "buckets 1,2,8"
-    assert NEVER_PACKED.describe() == "none"
+def test_describe_names_the_row_ranges_of_each_kernel() -> None:
+    policy = GemmPolicy((Gemm.PANELS,) * 7 + (Gemm.ONEDNN,) * 2 + (Gemm.PLAIN,) * 3)
+    assert policy.describe() == "rows 1-64: panels, 65-256: onednn, 257-2048: plain"
+    assert ALWAYS_PLAIN.describe() == "rows 1-2048: plain"
 
 
-# ---- numerics: packed == plain == float64 within float32 rounding ----
+# ---- numerics: every kernel == float64 within float32 rounding ----
 
 
-@needs_mkl
+def _layouts(kernel: Gemm, weight: torch.Tensor) -> PackedWeight:
+    """`weight` prepared for `kernel` at every row count (skips where it is unavailable)."""
+    if kernel is Gemm.MKL_PACKED and not packing_supported(CPU, torch.float32):
+        pytest.skip("this torch has no MKL packed sgemm")
+    if kernel is Gemm.ONEDNN and not onednn_supported():
+        pytest.skip("this torch has no oneDNN")
+    if kernel is Gemm.PANELS and not cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    return PackedWeight(
+        pack_weight(weight) if kernel is Gemm.MKL_PACKED else None,
+        GemmPolicy((kernel,) * len(ROW_BUCKETS)),
+        cpu_kernels.pack_panels(weight) if kernel is Gemm.PANELS else None)
+
+
+KERNELS = [Gemm.MKL_PACKED, Gemm.ONEDNN, Gemm.PANELS]
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.value)
 @pytest.mark.parametrize("rows", [*ROW_BUCKETS, 3, 37, 300, 2049])
 @pytest.mark.parametrize(("out_features", "in_features", "with_bias"),
                          [(96, 64, False), (64, 160, True), (257, 48, False)])
-def test_packed_matches_float64_at_every_bucket(rows: int, out_features: int,
-                                                in_features: int, with_bias: bool) -> None:
+def test_every_kernel_matches_float64_at_every_bucket(
+        kernel: Gemm, rows: int, out_features: int, in_features: int, with_bias: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     x = torch.randn(rows, in_features, generator=generator)
-    packed = PackedWeight(pack_weight(weight), ALWAYS_PACKED)
+    layouts = _layouts(kernel, weight)
+
+    def no_fallback(*_args: object) -> torch.Tensor:
+        raise AssertionError(f"{kernel.value} fell back to F.linear")
+
     expected = _f64_linear(x, weight, bias).float()
-    torch.testing.assert_close(linear(x, weight, bias, packed), expected, rtol=0, atol=ATOL)
     torch.testing.assert_close(F.linear(x, weight, bias), expected, rtol=0, atol=ATOL)
+    monkeypatch.setattr(linear_module.F, "linear", no_fallback)
+    torch.testing.assert_close(linear(x, weight, bias, layouts), expected, rtol=0, atol=ATOL)
 
 
-@needs_mkl
-def test_packed_accepts_a_3d_input() -> None:
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.value)
+def test_every_kernel_accepts_a_3d_input(kernel: Gemm) -> None:
     weight = torch.randn(40, 24)
     x = torch.randn(2, 3, 24)
-    out = linear(x, weight, None, PackedWeight(pack_weight(weight), ALWAYS_PACKED))
+    out = linear(x, weight, None, _layouts(kernel, weight))
     assert out.shape == (2, 3, 40)
     torch.testing.assert_close(out, _f64_linear(x, weight, None).float(), rtol=0, atol=ATOL)
 
@@ -166,7 +198,7 @@ def test_packed_attaches_to_every_projection_including_the_head() -> None:
     with torch.inference_mode():
         expected = model(x)  # nothing installed yet: plain
         install_linear_backend(model, "packed")
-        assert all(m.packed is not None and m.packed.policy == ALWAYS_PACKED
+        assert all(m.packed is not None and m.packed.policy == ALWAYS_MKL_PACKED
                    for m in _projections(model))
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-3)
         install_linear_backend(model, "plain")  # switching back removes the packed copies
@@ -177,14 +209,15 @@ def test_packed_attaches_to_every_projection_including_the_head() -> None:
 def test_auto_measures_each_shape_once_and_shares_the_policy(
         monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[tuple[int, int]] = []
-    chosen = PackPolicy(tuple(rows <= 2 for rows in ROW_BUCKETS))
+    chosen = GemmPolicy(tuple(Gemm.MKL_PACKED if rows <= 2 else Gemm.ONEDNN
+                              for rows in ROW_BUCKETS))
+    panel_rows_seen: set[range] = set()
 
-    skipped: set[range] = set()
-
-    def fake_tune(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
-                  skip_rows: range = range(0)) -> PackPolicy:
+    def fake_tune(weight: torch.Tensor, candidates: dict[Gemm, object],
+                  panel_rows: range = range(0)) -> GemmPolicy:
         measured.append(tuple(weight.shape))  # type: ignore[arg-type]
-        skipped.add(skip_rows)
+        panel_rows_seen.add(panel_rows)
+        assert (Gemm.PANELS in candidates) == cpu_kernels.available()
         return chosen
 
     monkeypatch.setattr(linear_module, "tune_policy", fake_tune)
@@ -195,55 +228,70 @@ def test_auto_measures_each_shape_once_and_shares_the_policy(
     assert len(policies) == 3
     assert model.second.packed is not None and model.third.packed is not None
     assert model.second.packed.policy is model.third.packed.policy
+    assert model.second.packed.packed is not None  # the policy uses MKL's layout...
+    assert model.second.packed.panels is None  # ...and not the panels
     install_linear_backend(_TwoLayers(), "auto", cache)  # a second model: all cached
     assert len(measured) == 3
-    # With the panel kernel, MKL is not measured at the rows the panels take.
-    assert skipped == ({PANEL_ROWS} if cpu_kernels.available() else {range(0)})
+    # With the panel kernel, the other kernels are not measured at the rows it takes.
+    assert panel_rows_seen == ({PANEL_ROWS} if cpu_kernels.available() else {range(0)})
 
 
 @needs_mkl
-def test_a_shape_that_never_wins_keeps_no_packed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear_module, "tune_policy", lambda *_args, **_kwargs: NEVER_PACKED)
+def test_a_shape_that_never_leaves_plain_keeps_no_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "tune_policy", lambda *_args, **_kwargs: ALWAYS_PLAIN)
     model = _TwoLayers()
     install_linear_backend(model, "auto", PolicyCache())
-    # No MKL copy; the panels (when the C++ kernels build) are kept regardless.
-    assert all(m.packed is None or m.packed.packed is None for m in _projections(model))
+    assert all(m.packed is None for m in _projections(model))
 
 
 @needs_mkl
-def test_real_tuning_returns_one_decision_per_bucket() -> None:
+def test_real_tuning_returns_one_kernel_per_bucket() -> None:
     weight = torch.randn(64, 32)
-    policy = linear_module.tune_policy(weight, None, pack_weight(weight), rounds=1)
-    assert len(policy.packed_buckets) == len(ROW_BUCKETS)
+    candidates = candidate_kernels(weight, None, None)
+    assert (Gemm.ONEDNN in candidates) == onednn_supported()
+    policy = linear_module.tune_policy(weight, candidates, rounds=1)
+    assert len(policy.kernels) == len(ROW_BUCKETS)
+    assert set(policy.kernels) <= set(candidates)
     shape = GemmShape(64, 32, False, torch.get_num_threads(), False)
     assert shape == GemmShape(64, 32, False, torch.get_num_threads(), False)  # hashable key
 
 
-@needs_mkl
-def test_tuning_leaves_the_buckets_inside_skip_rows_unmeasured(
+def test_tuning_gives_the_panels_their_rows_unmeasured_and_extends_past_the_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     timed_rows: list[int] = []
 
-    def fake_best_of(first, second, rounds):  # type: ignore[no-untyped-def]
-        timed_rows.append(first.args[0].shape[0])  # the x of partial(F.linear, x, ...)
-        return 1.0, 0.5  # packed always wins where measured
+    def fake_best_of(runs, rounds):  # type: ignore[no-untyped-def]
+        timed_rows.append(runs[0].args[0].shape[0])  # the x of partial(run, x)
+        return [1.0, 0.5]  # the second candidate always wins where measured
 
     monkeypatch.setattr(linear_module, "_best_of_interleaved", fake_best_of)
+    monkeypatch.setattr(linear_module, "TUNE_MAX_MACS", 512 * 8 * 4)
     weight = torch.randn(8, 4)
-    policy = linear_module.tune_policy(weight, None, pack_weight(weight),
-                                       skip_rows=range(3, 65))
-    # Bucket 4 holds rows 3-4 (inside), bucket 2 rows 2 (outside), bucket 128 rows 65-128.
-    assert timed_rows == [rows for rows in ROW_BUCKETS if rows <= 2 or rows >= 128]
-    assert [policy.uses_packed(rows) for rows in (1, 2, 3, 64, 65, 128, 2048)] == [
-        True, True, False, False, True, True, True]
+    candidates = {Gemm.PLAIN: lambda x: x, Gemm.ONEDNN: lambda x: x}
+    policy = linear_module.tune_policy(weight, candidates, panel_rows=range(1, 65))
+    # Buckets 1-64 hold rows 1-64 (all the panels'); 128 holds 65-128; over 512 rows the
+    # budget is exceeded and the kernel of bucket 512 carries on.
+    assert timed_rows == [128, 256, 512]
+    assert [policy.kernel(rows) for rows in (1, 64, 65, 512, 513, 2048, 4096)] == [
+        Gemm.PANELS, Gemm.PANELS, Gemm.ONEDNN, Gemm.ONEDNN, Gemm.ONEDNN, Gemm.ONEDNN,
+        Gemm.ONEDNN]
 
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
-                                   reason="the C++ CPU kernels cannot be built here")
+@pytest.mark.parametrize(("seconds", "expected"), [
+    ({Gemm.PLAIN: 1.0, Gemm.ONEDNN: 0.6, Gemm.PANELS: 0.5}, Gemm.PANELS),
+    ({Gemm.PLAIN: 1.0, Gemm.ONEDNN: 0.5, Gemm.MKL_PACKED: 0.5 * (1 - MIN_GAIN / 2)},
+     Gemm.ONEDNN),
+    ({Gemm.PLAIN: 1.0, Gemm.ONEDNN: 0.5, Gemm.MKL_PACKED: 0.5 * (1 - 2 * MIN_GAIN)},
+     Gemm.MKL_PACKED),
+    ({Gemm.PLAIN: 0.5, Gemm.MKL_PACKED: 0.9}, Gemm.PLAIN),
+])
+def test_mkl_packed_must_win_by_min_gain_the_others_by_anything(
+        seconds: dict[Gemm, float], expected: Gemm) -> None:
+    assert linear_module._fastest(seconds) is expected
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 31, 32, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 31, 32, 33, 64, 65, 200])
 @pytest.mark.parametrize("shape", [(100, 32), (16, 7), (33, 40), (960, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_kernel_matches_float64(rows: int, shape: tuple[int, int],
@@ -286,10 +334,13 @@ def test_panel_kernel_refuses_bad_inputs(call) -> None:  # type: ignore[no-untyp
 
 @needs_kernels
 @needs_mkl
-def test_auto_uses_the_panels_up_to_their_rows_and_mkl_or_plain_above(
+def test_auto_uses_the_panels_up_to_their_rows_unmeasured(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = _TwoLayers()
     install_linear_backend(model, "auto", PolicyCache())
+    assert model.first.packed is not None
+    assert [model.first.packed.policy.kernel(rows) for rows in PANEL_ROWS] == (
+        [Gemm.PANELS] * len(PANEL_ROWS))
     calls: list[int] = []
     real = cpu_kernels.panel_linear
 
@@ -298,7 +349,7 @@ def test_auto_uses_the_panels_up_to_their_rows_and_mkl_or_plain_above(
         return real(x, panels, bias, out_features)
 
     monkeypatch.setattr(cpu_kernels, "panel_linear", counting)
-    for rows in (1, PANEL_ROWS.start, PANEL_ROWS.stop - 1, PANEL_ROWS.stop):
+    for rows in (PANEL_ROWS.start, PANEL_ROWS.stop - 1):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(model.first(x).double(),
                                    _f64_linear(x, model.first.weight, model.first.bias),
@@ -326,13 +377,19 @@ def test_runner_refuses_an_unknown_backend(tiny_model_dirs: dict[str, Path]) -> 
         _runner(tiny_model_dirs["llama"], "fastest")
 
 
-@needs_mkl
-def test_default_model_through_packed_weights_matches_generate(
-        default_model_dir: Path, smol_oracle: Oracle) -> None:
-    """Every projection packed (whatever auto would pick on this machine): greedy tokens of a
-    mixed batch equal transformers' generate, first-step logits within 1e-4."""
-    runner = _runner(default_model_dir, "packed")
-    assert all(m.packed is not None for m in _projections(runner.model))
+def _force_kernel(runner: ModelRunner, kernel: Gemm) -> None:
+    for module in _projections(runner.model):
+        module.packed = _layouts(kernel, module.weight)
+
+
+@pytest.mark.parametrize("kernel", [Gemm.MKL_PACKED, Gemm.ONEDNN], ids=lambda k: k.value)
+def test_default_model_through_one_kernel_matches_generate(
+        kernel: Gemm, default_model_dir: Path, smol_oracle: Oracle) -> None:
+    """Every projection on one kernel at every row count (whatever auto would pick on this
+    machine): greedy tokens of a mixed batch equal transformers' generate, first-step logits
+    within 1e-4. (The panels' parity is the suites' default: auto uses them for decode.)"""
+    runner = _runner(default_model_dir, "plain")
+    _force_kernel(runner, kernel)
     prompts = smol_prompts(default_model_dir)[:5]  # natural text, as in test_parity
     steps = 8
     expected = [smol_oracle.generate(prompt, steps) for prompt in prompts]
