@@ -50,8 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=env("PAGEWIRE_RUNNER_LINEAR_BACKEND", "auto"),
                         choices=list(LINEAR_BACKENDS),
                         help="auto: on CPU in float32, the C++ panel kernel for 1-64 rows and "
-                             "above that the fastest of MKL sgemm, MKL-packed weights, the panels "
-                             "and oneDNN, measured per weight shape at start; packed: MKL-packed "
+                             "above that the fastest of MKL sgemm, MKL-packed weights and the "
+                             "panels, measured per weight shape at start; packed: MKL-packed "
                              "always; plain: MKL sgemm always (always plain on CUDA)")
     parser.add_argument("--tensor-parallel-size", type=int,
                         default=int(env("PAGEWIRE_RUNNER_TENSOR_PARALLEL_SIZE", "1")),

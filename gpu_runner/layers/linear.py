@@ -7,9 +7,11 @@ The kernels (`Gemm`), CPU float32:
   rows the per-call packing is most of PLAIN's time. A copy of the weight.
 - PANELS: the C++ panel kernel (gpu_runner/cpu_kernels.py, csrc/panel_linear.cpp), which streams
   the weight from memory while it computes. A copy of the weight in its layout.
-- ONEDNN: oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`) on the plain weight. MKL
-  picks its code path by CPU vendor: on AMD it runs without AVX-512, and oneDNN and the panels
-  are then ~2x faster at every row count (bench/linear.py).
+
+MKL picks its code path by CPU vendor: on AMD it runs without AVX-512, and the panels are then
+~2x faster than either MKL path at every row count (bench/linear.py). oneDNN's matmul is as
+fast as the panels there but is not used: it builds and caches a primitive per row count, ~1 MB
+each, and a server sees every row count (docs/gpu_runner.md).
 
 Which is fastest depends on the CPU, the row count and the weight's shape, so above the
 panels' rows it is measured once per weight shape (N, K) at load, over power-of-two row
@@ -71,7 +73,6 @@ class Gemm(enum.Enum):
     PLAIN = "plain"
     MKL_PACKED = "mkl-packed"
     PANELS = "panels"
-    ONEDNN = "onednn"
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class GemmPolicy:
         return kernel in self.kernels
 
     def describe(self) -> str:
-        """Row ranges and their kernels, e.g. "rows 1-64: panels, 65-2048: onednn"."""
+        """Row ranges and their kernels, e.g. "rows 1-64: panels, 65-2048: plain"."""
         parts: list[str] = []
         first = 1
         for index, kernel in enumerate(self.kernels):
@@ -135,8 +136,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             return cpu_kernels.panel_linear(x, packed.panels, bias, weight.shape[0])
         if kernel is Gemm.MKL_PACKED and packed.packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed.packed, weight, bias, rows)
-        if kernel is Gemm.ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -201,17 +200,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
 
-def onednn_supported() -> bool:
-    """oneDNN's linear: a torch built with it (x86 and ARM wheels are)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        torch.ops.mkldnn._linear_pointwise  # noqa: B018 (the lookup raises when missing)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
 GemmRun = Callable[[torch.Tensor], object]  # runs one kernel on an input x
 
 
@@ -227,9 +215,6 @@ def candidate_kernels(weight: torch.Tensor, bias: torch.Tensor | None,
     if panels is not None:
         candidates[Gemm.PANELS] = lambda x: cpu_kernels.panel_linear(x, panels, bias,
                                                                      weight.shape[0])
-    if onednn_supported():
-        candidates[Gemm.ONEDNN] = lambda x: torch.ops.mkldnn._linear_pointwise(
-            x, weight, bias, "none", [], "")
     return candidates
 
 

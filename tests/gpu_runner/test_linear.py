@@ -1,7 +1,7 @@
 """The CPU GEMM dispatch of gpu_runner/layers/linear.py: plain F.linear, MKL-packed weights,
-the panel kernel or oneDNN, chosen by row count. Oracles: float64 matmuls, hand-computed bucket
+or the panel kernel, chosen by row count. Oracles: float64 matmuls, hand-computed bucket
 indices, and transformers' greedy generate for the default model run entirely through MKL-packed
-weights, and entirely through oneDNN."""
+weights, and entirely through the panels."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from gpu_runner.layers.linear import (
     candidate_kernels,
     install_linear_backend,
     linear,
-    onednn_supported,
     pack_weight,
     packing_supported,
     resolve_linear_backend,
@@ -42,7 +41,6 @@ from tests.gpu_runner.test_parity import smol_prompts
 CPU = torch.device("cpu")
 needs_mkl = pytest.mark.skipif(not packing_supported(CPU, torch.float32),
                                reason="this torch has no MKL packed sgemm")
-needs_onednn = pytest.mark.skipif(not onednn_supported(), reason="this torch has no oneDNN")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
                                    reason="the C++ CPU kernels cannot be built here")
 # Two float32 GEMMs of K <= 1536 with O(1) inputs differ from the float64 result by ~1e-5
@@ -64,24 +62,24 @@ def _f64_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (256, 8), (257, 9), (2048, 11),
 ])
 def test_rows_round_up_to_a_power_of_two_bucket(rows: int, bucket: int) -> None:
-    policy = GemmPolicy(tuple(Gemm.ONEDNN if i == bucket else Gemm.PLAIN
+    policy = GemmPolicy(tuple(Gemm.PANELS if i == bucket else Gemm.PLAIN
                               for i in range(len(ROW_BUCKETS))))
-    assert policy.kernel(rows) is Gemm.ONEDNN
+    assert policy.kernel(rows) is Gemm.PANELS
     assert policy.kernel(ROW_BUCKETS[bucket - 1] if bucket else 2**bucket + 1) is Gemm.PLAIN
 
 
 def test_beyond_the_last_bucket_the_last_kernel_and_plain_for_zero_rows() -> None:
     assert ROW_BUCKETS[-1] == 2048
-    policy = GemmPolicy((Gemm.PANELS,) * (len(ROW_BUCKETS) - 1) + (Gemm.ONEDNN,))
-    assert policy.kernel(1) is Gemm.PANELS
-    assert policy.kernel(2048) is policy.kernel(2049) is policy.kernel(8192) is Gemm.ONEDNN
+    policy = GemmPolicy((Gemm.PANELS,) * (len(ROW_BUCKETS) - 1) + (Gemm.MKL_PACKED,))
+    assert policy.kernel(1) is policy.kernel(1024) is Gemm.PANELS
+    assert policy.kernel(1025) is policy.kernel(2049) is policy.kernel(8192) is Gemm.MKL_PACKED
     assert policy.kernel(0) is Gemm.PLAIN
     assert ALWAYS_MKL_PACKED.kernel(4096) is Gemm.MKL_PACKED
 
 
 def test_describe_names_the_row_ranges_of_each_kernel() -> None:
-    policy = GemmPolicy((Gemm.PANELS,) * 7 + (Gemm.ONEDNN,) * 2 + (Gemm.PLAIN,) * 3)
-    assert policy.describe() == "rows 1-64: panels, 65-256: onednn, 257-2048: plain"
+    policy = GemmPolicy((Gemm.PANELS,) * 7 + (Gemm.MKL_PACKED,) * 2 + (Gemm.PLAIN,) * 3)
+    assert policy.describe() == "rows 1-64: panels, 65-256: mkl-packed, 257-2048: plain"
     assert ALWAYS_PLAIN.describe() == "rows 1-2048: plain"
 
 
@@ -92,8 +90,6 @@ def _layouts(kernel: Gemm, weight: torch.Tensor) -> PackedWeight:
     """`weight` prepared for `kernel` at every row count (skips where it is unavailable)."""
     if kernel is Gemm.MKL_PACKED and not packing_supported(CPU, torch.float32):
         pytest.skip("this torch has no MKL packed sgemm")
-    if kernel is Gemm.ONEDNN and not onednn_supported():
-        pytest.skip("this torch has no oneDNN")
     if kernel is Gemm.PANELS and not cpu_kernels.available():
         pytest.skip("the C++ CPU kernels cannot be built here")
     return PackedWeight(
@@ -102,7 +98,7 @@ def _layouts(kernel: Gemm, weight: torch.Tensor) -> PackedWeight:
         cpu_kernels.pack_panels(weight) if kernel is Gemm.PANELS else None)
 
 
-KERNELS = [Gemm.MKL_PACKED, Gemm.ONEDNN, Gemm.PANELS]
+KERNELS = [Gemm.MKL_PACKED, Gemm.PANELS]
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.value)
@@ -209,7 +205,7 @@ def test_packed_attaches_to_every_projection_including_the_head() -> None:
 def test_auto_measures_each_shape_once_and_shares_the_policy(
         monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[tuple[int, int]] = []
-    chosen = GemmPolicy(tuple(Gemm.MKL_PACKED if rows <= 2 else Gemm.ONEDNN
+    chosen = GemmPolicy(tuple(Gemm.MKL_PACKED if rows <= 2 else Gemm.PLAIN
                               for rows in ROW_BUCKETS))
     panel_rows_seen: set[range] = set()
 
@@ -248,7 +244,6 @@ def test_a_shape_that_never_leaves_plain_keeps_no_copy(monkeypatch: pytest.Monke
 def test_real_tuning_returns_one_kernel_per_bucket() -> None:
     weight = torch.randn(64, 32)
     candidates = candidate_kernels(weight, None, None)
-    assert (Gemm.ONEDNN in candidates) == onednn_supported()
     policy = linear_module.tune_policy(weight, candidates, rounds=1)
     assert len(policy.kernels) == len(ROW_BUCKETS)
     assert set(policy.kernels) <= set(candidates)
@@ -267,21 +262,22 @@ def test_tuning_gives_the_panels_their_rows_unmeasured_and_extends_past_the_budg
     monkeypatch.setattr(linear_module, "_best_of_interleaved", fake_best_of)
     monkeypatch.setattr(linear_module, "TUNE_MAX_MACS", 512 * 8 * 4)
     weight = torch.randn(8, 4)
-    candidates = {Gemm.PLAIN: lambda x: x, Gemm.ONEDNN: lambda x: x}
+    candidates = {Gemm.PLAIN: lambda x: x, Gemm.MKL_PACKED: lambda x: x}
     policy = linear_module.tune_policy(weight, candidates, panel_rows=range(1, 65))
     # Buckets 1-64 hold rows 1-64 (all the panels'); 128 holds 65-128; over 512 rows the
     # budget is exceeded and the kernel of bucket 512 carries on.
     assert timed_rows == [128, 256, 512]
     assert [policy.kernel(rows) for rows in (1, 64, 65, 512, 513, 2048, 4096)] == [
-        Gemm.PANELS, Gemm.PANELS, Gemm.ONEDNN, Gemm.ONEDNN, Gemm.ONEDNN, Gemm.ONEDNN,
-        Gemm.ONEDNN]
+        Gemm.PANELS, Gemm.PANELS, Gemm.MKL_PACKED, Gemm.MKL_PACKED, Gemm.MKL_PACKED,
+        Gemm.MKL_PACKED, Gemm.MKL_PACKED]
 
 
 @pytest.mark.parametrize(("seconds", "expected"), [
-    ({Gemm.PLAIN: 1.0, Gemm.ONEDNN: 0.6, Gemm.PANELS: 0.5}, Gemm.PANELS),
-    ({Gemm.PLAIN: 1.0, Gemm.ONEDNN: 0.5, Gemm.MKL_PACKED: 0.5 * (1 - MIN_GAIN / 2)},
-     Gemm.ONEDNN),
-    ({Gemm.PLAIN: 1.0, Gemm.ONEDNN: 0.5, Gemm.MKL_PACKED: 0.5 * (1 - 2 * MIN_GAIN)},
+    ({Gemm.PLAIN: 1.0, Gemm.PANELS: 0.5}, Gemm.PANELS),
+    ({Gemm.PLAIN: 0.4, Gemm.PANELS: 0.5}, Gemm.PLAIN),
+    ({Gemm.PLAIN: 1.0, Gemm.PANELS: 0.5, Gemm.MKL_PACKED: 0.5 * (1 - MIN_GAIN / 2)},
+     Gemm.PANELS),
+    ({Gemm.PLAIN: 1.0, Gemm.PANELS: 0.5, Gemm.MKL_PACKED: 0.5 * (1 - 2 * MIN_GAIN)},
      Gemm.MKL_PACKED),
     ({Gemm.PLAIN: 0.5, Gemm.MKL_PACKED: 0.9}, Gemm.PLAIN),
 ])
@@ -382,12 +378,12 @@ def _force_kernel(runner: ModelRunner, kernel: Gemm) -> None:
         module.packed = _layouts(kernel, module.weight)
 
 
-@pytest.mark.parametrize("kernel", [Gemm.MKL_PACKED, Gemm.ONEDNN], ids=lambda k: k.value)
+@pytest.mark.parametrize("kernel", [Gemm.MKL_PACKED, Gemm.PANELS], ids=lambda k: k.value)
 def test_default_model_through_one_kernel_matches_generate(
         kernel: Gemm, default_model_dir: Path, smol_oracle: Oracle) -> None:
     """Every projection on one kernel at every row count (whatever auto would pick on this
     machine): greedy tokens of a mixed batch equal transformers' generate, first-step logits
-    within 1e-4. (The panels' parity is the suites' default: auto uses them for decode.)"""
+    within 1e-4."""
     runner = _runner(default_model_dir, "plain")
     _force_kernel(runner, kernel)
     prompts = smol_prompts(default_model_dir)[:5]  # natural text, as in test_parity
