@@ -3,7 +3,7 @@
     .venv/bin/python bench/overlap_probe.py [--rounds 4]
 
 The question behind it: the gateway sends the Step for step N+1 only after Execute N has
-returned, so the Step round trip (3.5-4 ms of a ~115 ms W1 step on 2 cores) is on the critical
+returned, so the Step round trip (~3 ms of a ~59 ms W1 step on 2 cores) is on the critical
 path. Overlapping it with the forward (vLLM's async scheduling) would hide that round trip, but
 on a CPU runner the forward uses every core, and the Step's work (the gateway's client side,
 the block service, gRPC on both ends) then runs on the same cores.
@@ -11,7 +11,7 @@ the block service, gRPC on both ends) then runs on the same cores.
 The probe measures that cost without changing the protocol: W1 through the three services
 (serve_bench's settings) in one launch, alternately alone and with a load thread that sends a
 Step like the gateway's (32 decode APPENDs over a StepStream, on a pool and session of its
-own) once per mean step time on average, at random moments (about 93 % of a W1 step is the
+own) once per mean step time on average, at random moments (about 90 % of a W1 step is the
 forward, so most land in one). Modes alternate alone-loaded, loaded-alone, ... so that the
 machine's drift does not favour one. Per mode it prints W1's tokens per second, the runner's
 forward per step and the gateway's Step round trip, from the gateway's metrics. If the forward
