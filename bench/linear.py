@@ -16,7 +16,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_runner import cpu_kernels
-from gpu_runner.layers.linear import Gemm, candidate_kernels
+from gpu_runner.layers.linear import Gemm, GemmRun, candidate_kernels
 
 LAYERS = 30
 # (out_features, in_features) of one decoder layer: q/k/v fused, o, gate/up fused, down.
@@ -38,14 +37,14 @@ def model_weights() -> list[torch.Tensor]:
     return [torch.randn(*shape, generator=gen) * 0.05 for shape in shapes]
 
 
-def model_runs(weights: list[torch.Tensor]) -> dict[Gemm, list[Callable[[torch.Tensor], object]]]:
+def model_runs(weights: list[torch.Tensor]) -> dict[Gemm, list[GemmRun]]:
     """Per kernel, one call per weight (each with the layout that kernel needs)."""
     per_weight = [candidate_kernels(w, None, cpu_kernels.pack_panels(w)) for w in weights]
     return {kernel: [runs[kernel] for runs in per_weight] for kernel in per_weight[0]}
 
 
-def bench_rows(weights: list[torch.Tensor], runs: dict[Gemm, list[Callable[[torch.Tensor],
-               object]]], rows: int, num_runs: int) -> dict[Gemm, float]:
+def bench_rows(weights: list[torch.Tensor], runs: dict[Gemm, list[GemmRun]], rows: int,
+               num_runs: int) -> dict[Gemm, float]:
     """Median ms of one pass over the model per kernel, after checking they agree."""
     inputs = [torch.randn(rows, w.shape[1]) for w in weights]
     for kernel, calls in runs.items():  # same results on every kernel
