@@ -390,14 +390,16 @@ class BlockServiceCore:
     def step(self, session_id: str, pool_id: str, step_id: int, epoch: int,
              kinds: Sequence[int], seq_ids: Sequence[int], token_counts: Sequence[int],
              token_ids: Sequence[int], parent_ids: Sequence[int], computed: Sequence[int],
-             cache_salts: Mapping[int, str] | None = None) -> StepResult:
+             cache_salts: Mapping[int, str] | None = None,
+             lookaheads: Sequence[int] = ()) -> StepResult:
         """Applies a scheduling step's operations in order (see the proto's StepRequest).
 
         The same step_id as the session's last Step returns that Step's result unchanged.
         """
         salts = dict(cache_salts or {})
+        lookaheads = list(lookaheads)
         self._check_columns(kinds, seq_ids, token_counts, token_ids, parent_ids, computed,
-                            salts)
+                            salts, lookaheads)
         with self._lock:
             session = self._live_session(session_id)
             if step_id == session.last_step_id and session.last_step is not None:
@@ -412,7 +414,7 @@ class BlockServiceCore:
                     ErrorCode.FAILED_PRECONDITION,
                     f"step built for epoch {epoch}; pool {pool_id!r} is at epoch {pm.epoch}")
             args = (session_id, pool_id, step_id, kinds, seq_ids, token_counts, token_ids,
-                    parent_ids, computed, salts)
+                    parent_ids, computed, salts, lookaheads)
             result = self._apply_step(*args)
             self._record(REC_STEP, args)
             return result
@@ -420,19 +422,23 @@ class BlockServiceCore:
     def _apply_step(self, session_id: str, pool_id: str, step_id: int, kinds: Sequence[int],
                     seq_ids: Sequence[int], token_counts: Sequence[int],
                     token_ids: Sequence[int], parent_ids: Sequence[int],
-                    computed: Sequence[int], salts: Mapping[int, str]) -> StepResult:
-        """A checked Step's operations; the answer is kept for a retry of the same step_id."""
+                    computed: Sequence[int], salts: Mapping[int, str],
+                    lookaheads: Sequence[int] = ()) -> StepResult:
+        """A checked Step's operations; the answer is kept for a retry of the same step_id.
+
+        (`lookaheads` defaults to none so that records journaled before it existed replay.)
+        """
         session = self.sessions.find(session_id)
         pm = self._pool(pool_id)
         result = run_step(pm, session_id, step_id, kinds, seq_ids, token_counts, token_ids,
-                          parent_ids, computed, salts, self._scope(session_id, pm))
+                          parent_ids, computed, salts, self._scope(session_id, pm), lookaheads)
         session.last_step_id, session.last_step = step_id, result
         return result
 
     def _check_columns(self, kinds: Sequence[int], seq_ids: Sequence[int],
                        token_counts: Sequence[int], token_ids: Sequence[int],
                        parent_ids: Sequence[int], computed: Sequence[int],
-                       salts: Mapping[int, str]) -> None:
+                       salts: Mapping[int, str], lookaheads: Sequence[int]) -> None:
         """Raises INVALID_ARGUMENT unless the columns describe len(kinds) operations."""
         num_ops = len(kinds)
         if num_ops > self.limits.max_ops_per_step:
@@ -444,6 +450,9 @@ class BlockServiceCore:
         for name, length in lengths.items():
             if length != num_ops:
                 raise invalid(f"{name} has {length} entries for {num_ops} operations")
+        if lookaheads and len(lookaheads) != num_ops:
+            raise invalid(f"num_lookahead_slots has {len(lookaheads)} entries for {num_ops} "
+                          "operations (or none)")
         if sum(token_counts) != len(token_ids):
             raise invalid(f"token_counts add up to {sum(token_counts)}, token_ids has "
                           f"{len(token_ids)}")

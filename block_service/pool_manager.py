@@ -19,7 +19,7 @@ from block_service.ops import (
     STATUS_STALE,
     OpResult,
 )
-from block_service.sequence import Sequence, num_blocks_for, slots_for
+from block_service.sequence import RESERVED, Sequence, num_blocks_for, slots_for
 
 
 def failed(status: int, error: str) -> OpResult:
@@ -84,11 +84,13 @@ class PoolManager:
                                         f"pool {self.pool_id!r}; allocate it again")
         return failed(STATUS_NOT_FOUND, f"sequence {seq_id} not found in pool {self.pool_id!r}")
 
-    def _bad_computed(self, seq: Sequence, num_computed: int) -> str:
-        """Why a reported num_computed_tokens is not acceptable, or ""."""
-        if num_computed < NOT_CHANGED or num_computed > len(seq.tokens):
-            return (f"num_computed_tokens {num_computed} is outside -1 .. {len(seq.tokens)} "
-                    "(the sequence's length)")
+    def _bad_computed(self, seq: Sequence, num_computed: int, num_known: int) -> str:
+        """Why a reported num_computed_tokens is not acceptable, or "" (`num_known`: the
+        sequence's tokens whose values are known at that point)."""
+        if num_computed < NOT_CHANGED or num_computed > num_known:
+            what = "known tokens" if num_known < len(seq.tokens) else "the sequence's length"
+            return (f"num_computed_tokens {num_computed} is outside -1 .. {num_known} "
+                    f"({what})")
         return ""
 
     def _too_big(self, num_tokens: int) -> str:
@@ -184,29 +186,36 @@ class PoolManager:
                         slots=slots_for(table, size, num_cached, num_tokens))
 
     def append(self, session_id: str, seq_id: int, token_ids: Seq[int],
-               num_computed: int = NOT_CHANGED) -> OpResult:
+               num_computed: int = NOT_CHANGED, lookahead: int = 0) -> OpResult:
         """Appends tokens: new blocks past a boundary, a private copy of a shared last block.
 
-        The result's table change starts at the first index that changed (len(table) and no
-        ids when none did).
+        A reserved last position is filled with the first token (its slot was handed out
+        with the reservation); `lookahead` 1 reserves one position after the tokens. The
+        result's table change starts at the first index that changed (len(table) and no ids
+        when none did).
         """
         seq = self._find(session_id, seq_id)
         if isinstance(seq, OpResult):
             return seq
         old_len = len(seq.tokens)
-        error = (bad_tokens(token_ids) or self._bad_computed(seq, num_computed)
-                 or self._too_big(old_len + len(token_ids)))
+        filling = seq.reserved and bool(token_ids)
+        new_len = old_len - filling + len(token_ids) + lookahead
+        error = (self._bad_append(seq, token_ids, lookahead)
+                 or self._bad_computed(seq, num_computed, old_len if filling else seq.num_known)
+                 or self._too_big(new_len))
         if error:
             return failed(STATUS_INVALID_ARGUMENT, error)
         pool, table = self.pool, seq.block_table
-        new_len = old_len + len(token_ids)
         new_blocks = num_blocks_for(new_len, self.block_size) - len(table)
         # Writing into a partly filled block that a fork shares: copy it first.
-        copy_last = old_len % self.block_size != 0 and pool.ref_counts[table[-1]] > 1
+        copy_last = (new_len > old_len and old_len % self.block_size != 0
+                     and pool.ref_counts[table[-1]] > 1)
         if new_blocks + copy_last > pool.num_free():
             self.no_space += 1
             return failed(STATUS_NO_SPACE, f"{new_blocks + copy_last} blocks needed, "
                                            f"{pool.num_free()} free")
+        if filling:
+            seq.tokens[-1] = token_ids[0]
         self.set_computed(seq, num_computed)
         start = len(table)
         copies: list[tuple[int, int]] = []
@@ -218,9 +227,21 @@ class PoolManager:
             copies.append((source, copy))
             self.copies += 1
         table.extend(pool.take() for _ in range(new_blocks))
-        seq.tokens.extend(token_ids)
+        seq.tokens.extend(token_ids[filling:])
+        seq.tokens.extend([RESERVED] * lookahead)
         return OpResult(table_start=start, table_block_ids=table[start:], copies=copies,
                         slots=slots_for(table, self.block_size, old_len, new_len))
+
+    @staticmethod
+    def _bad_append(seq: Sequence, token_ids: Seq[int], lookahead: int) -> str:
+        """Why an APPEND's tokens and reservation are not acceptable, or ""."""
+        if lookahead not in (0, 1):
+            return f"num_lookahead_slots {lookahead} is not 0 or 1"
+        if token_ids or not lookahead:
+            return bad_tokens(token_ids)
+        if seq.reserved:  # a reservation alone, on top of one
+            return "the sequence's last position is reserved already: fill it first"
+        return ""
 
     def _find_and_commit(self, session_id: str, seq_id: int,
                          num_computed: int) -> Sequence | OpResult:
@@ -228,7 +249,7 @@ class PoolManager:
         seq = self._find(session_id, seq_id)
         if isinstance(seq, OpResult):
             return seq
-        error = self._bad_computed(seq, num_computed)
+        error = self._bad_computed(seq, num_computed, seq.num_known)
         if error:
             return failed(STATUS_INVALID_ARGUMENT, error)
         self.set_computed(seq, num_computed)
@@ -262,6 +283,13 @@ class PoolManager:
         `num_computed` is the parent's, recorded first. The caller has checked that the
         session holds no sequence `child_id` (in any pool).
         """
+        parent = self._find(session_id, parent_id)
+        if isinstance(parent, OpResult):
+            return parent
+        if parent.reserved:
+            # Both would write the one reserved slot.
+            return failed(STATUS_INVALID_ARGUMENT, f"sequence {parent_id} has a reserved "
+                                                   "position: fill it before forking")
         parent = self._find_and_commit(session_id, parent_id, num_computed)
         if isinstance(parent, OpResult):
             return parent

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+# The token value of a reserved position: its slot is handed out, its token not sampled yet.
+RESERVED = -1
+
 
 class Sequence:
     """One sequence: its tokens, block table and how far its KV is computed and published.
@@ -26,6 +29,16 @@ class Sequence:
         self.root = root
         # False after a hash collision: no later block of this sequence is published.
         self.publishing = True
+
+    @property
+    def reserved(self) -> bool:
+        """Whether the last position is reserved for a token not sampled yet."""
+        return self.tokens[-1] == RESERVED
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose values are known (all but a reserved last position)."""
+        return len(self.tokens) - (self.tokens[-1] == RESERVED)
 
     def fork(self) -> Sequence:
         """A child with the same tokens and blocks (the caller adds the block references)."""

@@ -138,7 +138,8 @@ class BlockServicer(block_pb2_grpc.BlockServiceServicer):
             request.session_id, request.pool_id, request.step_id, request.epoch,
             request.op_kinds[:], request.seq_ids[:], request.token_counts[:],
             request.token_ids[:], request.parent_seq_ids[:],
-            request.num_computed_tokens[:], dict(request.cache_salts)))
+            request.num_computed_tokens[:], dict(request.cache_salts),
+            request.num_lookahead_slots[:]))
         return step_response(result)
 
     def StepStream(self, requests: Iterator[block_pb2.StepRequest],

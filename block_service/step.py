@@ -28,6 +28,7 @@ from block_service.ops import (
     StepResult,
 )
 from block_service.pool_manager import PoolManager, failed
+from block_service.sequence import RESERVED
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,16 @@ def new_seq_refused(pm: PoolManager, session_id: str, seq_id: int,
 
 
 def apply_op(pm: PoolManager, session_id: str, kind: int, seq_id: int, token_ids: Sequence[int],
-             parent_id: int, num_computed: int, cache_salt: str,
-             scope: SessionScope) -> OpResult:
+             parent_id: int, num_computed: int, cache_salt: str, scope: SessionScope,
+             lookahead: int = 0) -> OpResult:
     """One operation through the fully validating PoolManager methods."""
     if num_computed < NOT_CHANGED:
         return failed(STATUS_INVALID_ARGUMENT, f"num_computed_tokens {num_computed} < -1")
     if kind == OP_APPEND:
-        return pm.append(session_id, seq_id, token_ids, num_computed)
+        return pm.append(session_id, seq_id, token_ids, num_computed, lookahead)
+    if lookahead:
+        return failed(STATUS_INVALID_ARGUMENT, f"num_lookahead_slots {lookahead} on op kind "
+                                               f"{kind}: only APPEND reserves positions")
     if kind == OP_ALLOCATE:
         return (new_seq_refused(pm, session_id, seq_id, scope)
                 or pm.allocate(session_id, seq_id, token_ids, cache_salt))
@@ -81,9 +85,12 @@ def apply_op(pm: PoolManager, session_id: str, kind: int, seq_id: int, token_ids
 def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int],
              seq_ids: Sequence[int], token_counts: Sequence[int], token_ids: Sequence[int],
              parent_ids: Sequence[int], computed: Sequence[int],
-             cache_salts: Mapping[int, str], scope: SessionScope) -> StepResult:
-    """Applies the (already shape-checked) columns of a Step in order."""
+             cache_salts: Mapping[int, str], scope: SessionScope,
+             lookaheads: Sequence[int] = ()) -> StepResult:
+    """Applies the (already shape-checked) columns of a Step in order (`lookaheads` empty:
+    no operation reserves a position)."""
     num_ops = len(kinds)
+    lookaheads = lookaheads or [0] * num_ops
     statuses = [STATUS_OK] * num_ops
     cached = [0] * num_ops
     starts = [0] * num_ops
@@ -106,43 +113,52 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
     add_slot = slots.append
     add_block = block_ids.append
     offset = 0
-    for i, kind, count, seq_id, num_computed in zip(range(num_ops), kinds, token_counts,
-                                                    seq_ids, computed, strict=True):
+    for i, kind, count, seq_id, num_computed, lookahead in zip(
+            range(num_ops), kinds, token_counts, seq_ids, computed, lookaheads, strict=True):
         if count == 1 and kind == OP_APPEND:
             seq = seqs_get(seq_id)
             if seq is not None:
                 token = token_ids[offset]
                 tokens = seq.tokens
+                # One new position either way: the token itself, or (when it fills a
+                # reservation) the position reserved after it.
+                filling = tokens[-1] == RESERVED
                 position = len(tokens)
-                if 0 <= token <= INT32_MAX and NOT_CHANGED <= num_computed <= position:
+                if (filling == lookahead and 0 <= token <= INT32_MAX
+                        and NOT_CHANGED <= num_computed <= position):
+                    new_token = RESERVED if filling else token
                     table = seq.block_table
-                    column = position & mask  # 0: the token starts a new block
+                    column = position & mask  # 0: the new position starts a new block
                     if column:
                         last = table[-1]
                         if refs[last] == 1:  # not shared: write in place
+                            if filling:
+                                tokens[-1] = token
                             if num_computed > seq.num_computed:
                                 if num_computed >> shift > seq.num_published:
                                     set_computed(seq, num_computed)  # publishes blocks
                                 else:
                                     seq.num_computed = num_computed
-                            tokens.append(token)
+                            tokens.append(new_token)
                             starts[i] = len(table)
                             add_slot((last << shift) | column)
                             offset += 1
                             continue
                     elif len(table) < capacity and num_free():
+                        if filling:
+                            tokens[-1] = token
                         set_computed(seq, num_computed)
                         block = take()
                         starts[i] = len(table)
                         table_counts[i] = 1
                         table.append(block)
-                        tokens.append(token)
+                        tokens.append(new_token)
                         add_block(block)
                         add_slot(block << shift)
                         offset += 1
                         continue
         result = apply_op(pm, session_id, kind, seq_id, token_ids[offset:offset + count],
-                          parent_ids[i], num_computed, cache_salts.get(i, ""), scope)
+                          parent_ids[i], num_computed, cache_salts.get(i, ""), scope, lookahead)
         offset += count
         statuses[i] = result.status
         if result.status != STATUS_OK:

@@ -218,7 +218,7 @@ class ForkResponse(_message.Message):
     def __init__(self, block_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "step_id", "epoch", "op_kinds", "seq_ids", "token_counts", "token_ids", "parent_seq_ids", "num_computed_tokens", "cache_salts")
+    __slots__ = ("session_id", "pool_id", "step_id", "epoch", "op_kinds", "seq_ids", "token_counts", "token_ids", "parent_seq_ids", "num_computed_tokens", "cache_salts", "num_lookahead_slots")
     class CacheSaltsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class StepRequest(_message.Message):
     PARENT_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool_id: str
     step_id: int
@@ -248,7 +249,8 @@ class StepRequest(_message.Message):
     parent_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_salts: _containers.ScalarMap[int, str]
-    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_seq_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., cache_salts: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    num_lookahead_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_seq_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., cache_salts: _Optional[_Mapping[int, str]] = ..., num_lookahead_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "op_statuses", "num_cached_tokens", "table_starts", "table_counts", "table_block_ids", "slot_counts", "slot_mapping", "copies", "errors", "epoch")

@@ -2,8 +2,9 @@
 
 `check_invariants` derives everything it expects from the sequences' own tokens and block
 tables (an oracle independent of the pool's bookkeeping): reference counts equal the number of
-tables holding a block, every block is free xor referenced, the stats add up, and every
-published hash is the chained hash of its sequence's tokens.
+tables holding a block, every block is free xor referenced, the stats add up, every
+published hash is the chained hash of its sequence's known tokens, and a reserved position is
+the last one, never computed, in a block no other sequence holds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from block_service.core import BlockServiceCore
 from block_service.hashing import chain_hashes
 from block_service.pool_manager import PoolManager
+from block_service.sequence import RESERVED
 
 
 def check_invariants(core: BlockServiceCore, check_hashes: bool = True) -> None:
@@ -50,15 +52,34 @@ def check_blocks(pm: PoolManager) -> None:
 
 
 def check_sequences(pm: PoolManager, check_hashes: bool = True) -> None:
-    """Each live sequence's table fits its tokens and its hashes chain over its tokens."""
+    """Each live sequence's table fits its tokens and its hashes chain over its known tokens.
+
+    A reserved position (token RESERVED: its slot handed out, its token not sampled yet) may
+    only be the last one; it is never computed (nor hashed), and its block is held by that
+    sequence alone (a fork of a reserved sequence is refused, reserving into a shared block
+    copies it), so no other sequence can write its slot.
+    """
     size = pm.block_size
+    holders: Counter[int] = Counter()
     for seqs in pm.seqs.values():
         for seq in seqs.values():
-            assert len(seq.block_table) == -(-len(seq.tokens) // size)
-            assert 0 <= seq.num_computed <= len(seq.tokens)
+            holders.update(seq.block_table)
+    for seqs in pm.seqs.values():
+        for seq in seqs.values():
+            tokens = seq.tokens
+            assert tokens, "a sequence without tokens"
+            # Counted here from the tokens, not with Sequence.num_known.
+            num_known = len(tokens) - (tokens[-1] == RESERVED)
+            assert min(tokens[:num_known], default=0) >= 0, "a reserved token before the last"
+            assert len(seq.block_table) == -(-len(tokens) // size)
+            assert 0 <= seq.num_computed <= num_known
             assert seq.num_published == len(seq.hashes) <= seq.num_computed // size
+            if num_known < len(tokens):
+                reserved_block = seq.block_table[(len(tokens) - 1) // size]
+                assert holders[reserved_block] == 1, "a reserved slot's block is shared"
             if check_hashes:
-                assert seq.hashes == chain_hashes(seq.tokens, size, len(seq.hashes), seq.root)
+                assert seq.hashes == chain_hashes(tokens[:num_known], size, len(seq.hashes),
+                                                  seq.root)
 
 
 def full_state(core: BlockServiceCore) -> dict[str, Any]:

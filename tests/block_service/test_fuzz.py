@@ -143,11 +143,13 @@ def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
 
     def step(session: str, pool: str, step_id: int, epoch: int, kinds: list[int],
              seq_ids: list[int], counts: list[int], tokens: list[int], parents: list[int],
-             computed: list[int], salts: dict[int, str]) -> pb.StepRequest:
+             computed: list[int], salts: dict[int, str],
+             lookaheads: list[int]) -> pb.StepRequest:
         return pb.StepRequest(session_id=session, pool_id=pool, step_id=step_id, epoch=epoch,
                               op_kinds=kinds, seq_ids=seq_ids, token_counts=counts,
                               token_ids=tokens, parent_seq_ids=parents,
-                              num_computed_tokens=computed, cache_salts=salts)
+                              num_computed_tokens=computed, cache_salts=salts,
+                              num_lookahead_slots=lookaheads)
 
     def append(session: str, pool: str, seq_id: int, tokens: list[int],
                computed: int | None) -> pb.AppendRequest:
@@ -163,19 +165,22 @@ def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
             request.num_computed_tokens = computed
         return request
 
-    # Steps: matching column lengths most of the time, so that the operations get applied.
+    # Steps: matching column lengths most of the time, so that the operations get applied;
+    # num_lookahead_slots mostly 0 or 1 (reserving), sometimes anything, or left empty.
+    lookahead_st = st.sampled_from([0, 0, 1, 1, 2]) | uint32_st
     ops_st = st.integers(0, 6).flatmap(lambda n: st.tuples(
         st.lists(enum_st, min_size=n, max_size=n), st.lists(uint64_st, min_size=n, max_size=n),
         st.lists(st.integers(0, 3), min_size=n, max_size=n),
         st.lists(uint64_st, min_size=n, max_size=n),
-        st.lists(int64_st, min_size=n, max_size=n)))
+        st.lists(int64_st, min_size=n, max_size=n),
+        st.just([]) | st.lists(lookahead_st, min_size=n, max_size=n)))
 
     def matching_step(session: str, pool: str, step_id: int, epoch: int,
                       ops: tuple[list[int], ...], token: int,
                       salts: dict[int, str]) -> pb.StepRequest:
-        kinds, seq_ids, counts, parents, computed = ops
+        kinds, seq_ids, counts, parents, computed, lookaheads = ops
         return step(session, pool, step_id, epoch, kinds, seq_ids, counts,
-                    [token] * sum(counts), parents, computed, salts)
+                    [token] * sum(counts), parents, computed, salts, lookaheads)
 
     salts_st = st.dictionaries(uint32_st | st.integers(0, 6), text_st, max_size=3)
     computed_opt = st.none() | uint32_st
@@ -196,7 +201,8 @@ def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
         "Step": st.one_of(
             st.builds(step, session_st, pool_st, uint64_st, uint64_st, sized_ints(enum_st),
                       sized_ints(uint64_st), sized_ints(uint32_st), tokens_st,
-                      sized_ints(uint64_st), sized_ints(int64_st), salts_st),
+                      sized_ints(uint64_st), sized_ints(int64_st), salts_st,
+                      st.just([]) | sized_ints(uint32_st)),
             st.builds(matching_step, session_st, pool_st, uint64_st,
                       st.sampled_from([0, 0, 1, 2]) | uint64_st, ops_st, int32_st, salts_st)),
         "MatchPrefix": st.builds(pb.MatchPrefixRequest, pool_id=pool_st, token_ids=tokens_st,

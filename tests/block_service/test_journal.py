@@ -71,16 +71,21 @@ seq_st = st.integers(0, 3)
 prompt_st = st.lists(st.integers(0, 3), min_size=1, max_size=7)
 computed_st = st.sampled_from([-1, 0, 3, ALL, ALL])
 salt_st = st.sampled_from(["", "", "salt"])
-# (kind, seq_id, tokens, parent_seq_id, num_computed_tokens, cache_salt): mostly well-formed
-# operations on a few seq ids (so they meet each other), some malformed ones.
+# (kind, seq_id, tokens, parent_seq_id, num_computed_tokens, cache_salt, num_lookahead_slots):
+# mostly well-formed operations on a few seq ids (so they meet each other), APPENDs that
+# reserve the next position (or only reserve it), some malformed ones.
 op_st = st.one_of(
-    st.tuples(st.just(OP_ALLOCATE), seq_st, prompt_st, st.just(0), st.just(-1), salt_st),
+    st.tuples(st.just(OP_ALLOCATE), seq_st, prompt_st, st.just(0), st.just(-1), salt_st,
+              st.just(0)),
     st.tuples(st.just(OP_APPEND), seq_st, st.lists(st.integers(0, 3), min_size=1, max_size=3),
-              st.just(0), computed_st, st.just("")),
+              st.just(0), computed_st, st.just(""), st.sampled_from([0, 0, 1, 1, 2])),
+    st.tuples(st.just(OP_APPEND), seq_st, st.just([]), st.just(0), computed_st, st.just(""),
+              st.just(1)),
     st.tuples(st.sampled_from([OP_FREE, OP_FORK, OP_COMMIT]), seq_st, st.just([]), seq_st,
-              computed_st, st.just("")),
+              computed_st, st.just(""), st.sampled_from([0] * 7 + [1])),
     st.tuples(st.sampled_from([0, OP_ALLOCATE, OP_APPEND, OP_FREE, 9]), seq_st,
-              st.lists(st.integers(-1, 3), max_size=3), seq_st, st.integers(-2, 9), salt_st),
+              st.lists(st.integers(-1, 3), max_size=3), seq_st, st.integers(-2, 9), salt_st,
+              st.integers(0, 2)),
 )
 # Mostly the first session and pool, so that operations meet the sequences they name.
 which_session_st = st.sampled_from([0, 0, 0, 0, 1, 2, 3])
@@ -115,7 +120,8 @@ class Driver:
         return self.sessions[index % len(self.sessions)] if self.sessions else "none"
 
     def computed(self, session: str, pool_id: str, seq_id: int, drawn: int) -> int:
-        """The drawn num_computed_tokens, ALL turned into the sequence's length."""
+        """The drawn num_computed_tokens, ALL turned into the sequence's length (which counts
+        a reserved position: allowed for an APPEND that fills it, refused otherwise)."""
         if drawn != ALL:
             return drawn
         pm = self.core.pools.get(pool_id)
@@ -159,13 +165,14 @@ class Driver:
         epoch = pm.epoch if check and pm is not None else 0  # 0: no epoch check
         computed = [self.computed(session, POOLS[pool], op[3] if op[0] == OP_FORK else op[1],
                                   op[4]) for op in ops]
+        lookaheads = [op[6] for op in ops]
         self.core.step(session, POOLS[pool], step_id, epoch,
                        [op[0] for op in ops], [op[1] for op in ops], [len(op[2]) for op in ops],
                        [t for op in ops for t in op[2]], [op[3] for op in ops], computed,
-                       salts)
+                       salts, lookaheads if any(lookaheads) else [])
 
     def do_single(self, index: int, pool: int, op: tuple[Any, ...]) -> None:
-        kind, seq_id, tokens, parent, computed, salt = op
+        kind, seq_id, tokens, parent, computed, salt, _ = op  # no lookahead outside Step
         session, pool_id = self.session(index), POOLS[pool]
         computed = self.computed(session, pool_id, seq_id, computed)
         if kind == OP_ALLOCATE:

@@ -5,7 +5,8 @@ The machine plays the runner too: it writes, for every slot the service hands ou
 position) — and applies the copy-on-write copies first. That is an oracle independent of the
 service's bookkeeping: after every operation each live sequence must read back exactly its own
 prefix through its block table, and every published hash must name a block whose content is the
-prefix that hash was computed from.
+prefix that hash was computed from. APPENDs may reserve the next position (num_lookahead_slots):
+the runner writes a reserved slot only once the sequence's next APPEND has filled in its token.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from block_service.ops import (
     STATUS_STALE,
     StepResult,
 )
+from block_service.sequence import RESERVED
 from block_service.sessions import LeasePolicy
 
 from .conftest import FakeClock
@@ -50,6 +52,8 @@ salts_st = st.sampled_from(["", "", "", "tenant"])
 computed_st = st.one_of(st.just(1.0), st.floats(0, 1))
 # Rules that wipe state fire on a fifth of their draws, so that state builds up in between.
 rarely = st.integers(0, 4).map(lambda draw: draw == 0)
+# num_lookahead_slots of an APPEND: mostly 0 or 1, sometimes a refused value.
+lookahead_st = st.sampled_from([0, 0, 1, 1, 1, 2])
 
 
 @dataclass
@@ -60,6 +64,13 @@ class ModelSeq:
     salt: str
     computed: int = 0  # what the service was told
     written: int = 0  # positions whose KV the (modelled) runner has written
+    reserved_slot: int = -1  # the slot handed out for a reserved last position
+
+    def reserved(self) -> bool:
+        return self.tokens[-1] == RESERVED
+
+    def num_known(self) -> int:
+        return len(self.tokens) - self.reserved()
 
 
 @dataclass
@@ -96,25 +107,28 @@ class BlockServiceMachine(RuleBasedStateMachine):
         return ModelSession(self.core.open_session("machine", 0)[0])
 
     def step(self, session: ModelSession, ops: list[tuple[int, int, list[int], int, int]],
-             salts: dict[int, str] | None = None) -> StepResult:
+             salts: dict[int, str] | None = None,
+             lookaheads: list[int] | None = None) -> StepResult:
         session.step_id += 1
         return self.core.step(
             session.session_id, POOL, session.step_id, self.epoch, [op[0] for op in ops],
             [op[1] for op in ops], [len(op[2]) for op in ops], [t for op in ops for t in op[2]],
-            [op[3] for op in ops], [op[4] for op in ops], salts)
+            [op[3] for op in ops], [op[4] for op in ops], salts, lookaheads or [])
 
     def table(self, session: ModelSession, seq_id: int) -> list[int]:
         return self.core.pools[POOL].seqs[session.session_id][seq_id].block_table
 
     def write(self, seq: ModelSeq, start: int, slots: list[int], count: int) -> None:
         """The runner computes the first `count` of positions start.. of `seq` into `slots`
-        (a prefill chunk; the rest stays pending), if everything before them is written."""
+        (a prefill chunk; the rest stays pending), if everything before them is written. A
+        reserved position is not: its token is not known yet."""
         assert len(slots) == len(seq.tokens) - start
         if seq.written != start:
             return
+        count = min(count, seq.num_known() - start)
         for offset, slot in enumerate(slots[:count]):
             self.kv[slot] = (seq.salt, tuple(seq.tokens[:start + offset + 1]))
-        seq.written = start + min(count, len(slots))
+        seq.written = start + max(0, count)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         size = self.block_size
@@ -143,7 +157,7 @@ class BlockServiceMachine(RuleBasedStateMachine):
         session = self.sessions[which]
         if reuse is not None and self.earlier:  # an earlier prompt plus the drawn tokens
             donor_tokens, salt = self.earlier[-1 - reuse % len(self.earlier)]
-            tokens = donor_tokens + tokens[:reuse]
+            tokens = [t for t in donor_tokens if t != RESERVED] + tokens[:reuse]
         prompts = [tokens] if twin is None else [tokens, tokens + twin]
         seq_ids = list(range(self.next_seq_id, self.next_seq_id + len(prompts)))
         self.next_seq_id += len(prompts)
@@ -186,45 +200,63 @@ class BlockServiceMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live())
     @rule(pick=st.integers(0, 10**6), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=5),
-          computed=computed_st)
-    def append(self, pick: int, tokens: list[int], computed: float) -> None:
+          computed=computed_st, lookahead=lookahead_st, reserve_only=rarely)
+    def append(self, pick: int, tokens: list[int], computed: float, lookahead: int,
+               reserve_only: bool) -> None:
         session, seq_id = self.live()[pick % len(self.live())]
         seq = session.seqs[seq_id]
         num_computed = int(computed * seq.written)
-        result = self.step(session, [(OP_APPEND, seq_id, tokens, 0, num_computed)])
+        if reserve_only:
+            tokens = []
+        result = self.step(session, [(OP_APPEND, seq_id, tokens, 0, num_computed)],
+                           lookaheads=[lookahead])
         self.copy_blocks(result.copies)
-        self.after_append(session, seq_id, tokens, num_computed, result, 0)
+        self.after_append(session, seq_id, tokens, num_computed, result, 0, lookahead)
 
     def after_append(self, session: ModelSession, seq_id: int, tokens: list[int],
-                     num_computed: int, result: StepResult, index: int) -> None:
+                     num_computed: int, result: StepResult, index: int,
+                     lookahead: int = 0) -> None:
         seq = session.seqs[seq_id]
         status = result.op_statuses[index]
-        if self.blocks_needed(len(seq.tokens) + len(tokens)) > self.num_blocks:
+        filling = seq.reserved() and bool(tokens)
+        new_len = len(seq.tokens) - filling + len(tokens) + lookahead
+        if (lookahead not in (0, 1) or (not tokens and (not lookahead or seq.reserved()))
+                or self.blocks_needed(new_len) > self.num_blocks):
             assert status == STATUS_INVALID_ARGUMENT
             return
         if status == STATUS_NO_SPACE:
             return
         assert status == STATUS_OK, result.errors
         start = len(seq.tokens)
-        seq.tokens.extend(tokens)
-        seq.computed = max(seq.computed, num_computed)
         slot_start = sum(result.slot_counts[:index])
         slots = result.slot_mapping[slot_start:slot_start + result.slot_counts[index]]
+        assert len(slots) == new_len - start
+        if filling:  # its slot came with the reservation
+            seq.tokens[-1] = tokens[0]
+            start, slots = start - 1, [seq.reserved_slot, *slots]
+        seq.tokens.extend(tokens[filling:])
+        seq.tokens.extend([RESERVED] * lookahead)
+        if lookahead:
+            seq.reserved_slot = slots[-1]
+        seq.computed = max(seq.computed, num_computed)
         self.write(seq, start, slots, len(slots))
 
-    @rule(which=st.integers(0, 1), tokens=st.lists(st.integers(0, 2), min_size=8, max_size=8))
-    def decode_all(self, which: int, tokens: list[int]) -> None:
-        """One token for every sequence of a session in one step (Step's inline path)."""
+    @rule(which=st.integers(0, 1), tokens=st.lists(st.integers(0, 2), min_size=8, max_size=8),
+          lookaheads=st.lists(st.sampled_from([0, 1, 1]), min_size=8, max_size=8))
+    def decode_all(self, which: int, tokens: list[int], lookaheads: list[int]) -> None:
+        """One token for every sequence of a session in one step (Step's inline path: plain,
+        or filling a reserved position and reserving the next)."""
         session = self.sessions[which]
         seq_ids = sorted(session.seqs)
         if not seq_ids:
             return
         ops = [(OP_APPEND, seq_id, [tokens[index % 8]], 0, session.seqs[seq_id].written)
                for index, seq_id in enumerate(seq_ids)]
-        result = self.step(session, ops)
+        column = [lookaheads[index % 8] for index in range(len(ops))]
+        result = self.step(session, ops, lookaheads=column)
         self.copy_blocks(result.copies)
         for index, (_, seq_id, new, _, computed) in enumerate(ops):
-            self.after_append(session, seq_id, new, computed, result, index)
+            self.after_append(session, seq_id, new, computed, result, index, column[index])
 
     @precondition(lambda self: self.live())
     @rule(pick=st.integers(0, 10**6), computed=computed_st)
@@ -242,7 +274,10 @@ class BlockServiceMachine(RuleBasedStateMachine):
 
     def pending(self) -> list[tuple[ModelSession, int]]:
         return [(s, seq_id) for s, seq_id in self.live()
-                if s.seqs[seq_id].written < len(s.seqs[seq_id].tokens)]
+                if s.seqs[seq_id].written < s.seqs[seq_id].num_known()]
+
+    def reserved(self) -> list[tuple[ModelSession, int]]:
+        return [(s, seq_id) for s, seq_id in self.live() if s.seqs[seq_id].reserved()]
 
     @precondition(lambda self: self.pending())
     @rule(pick=st.integers(0, 10**6), count=st.integers(1, 8))
@@ -268,6 +303,19 @@ class BlockServiceMachine(RuleBasedStateMachine):
         session.seqs[child_id] = ModelSeq(list(parent.tokens), parent.salt, parent.computed,
                                           parent.written)
         assert result.table_block_ids == self.table(session, parent_id)
+
+    @precondition(lambda self: self.reserved())
+    @rule(pick=st.integers(0, 10**6), kind=st.sampled_from([OP_COMMIT, OP_FREE, OP_FORK]))
+    def count_a_reserved_position(self, pick: int, kind: int) -> None:
+        """COMMIT or FREE counting a reserved position as computed, or a FORK of a reserved
+        sequence: refused, nothing changes (the invariants compare with the model)."""
+        session, seq_id = self.reserved()[pick % len(self.reserved())]
+        seq = session.seqs[seq_id]
+        op: tuple[int, int, list[int], int, int] = (
+            (kind, self.next_seq_id, [], seq_id, -1) if kind == OP_FORK
+            else (kind, seq_id, [], 0, len(seq.tokens)))
+        result = self.step(session, [op])
+        assert result.op_statuses == [STATUS_INVALID_ARGUMENT], result.errors
 
     @precondition(lambda self: self.live())
     @rule(pick=st.integers(0, 10**6), computed=computed_st)
