@@ -2,8 +2,9 @@
 
 From the gateway's Prometheus metrics (sums of its per-step histograms, read before and after
 the workload) and the CPU time each service process used meanwhile (/proc, Linux only):
-- per step: scheduling (planning + applying the block service's answer), the Step round trip,
-  the Execute round trip and inside it the runner's own time (forward, sampling, the rest:
+- per step: scheduling (planning + applying the block service's answer), the Step round trip
+  (sent while the previous step's Execute runs), how long the loop then still waited for that
+  Execute, the Execute round trip and inside it the runner's own time (forward, sampling, the rest:
   decoding the request, validation, building the batch), and the output (detokenizing, stop
   checks, handing deltas to the streams);
 - CPU seconds of each process: on a 2-core machine every CPU-second outside the runner is taken
@@ -24,6 +25,7 @@ _HISTOGRAMS = {
     "schedule_seconds": "scheduling",
     "block_step_seconds": "Step round trip",
     "execute_seconds": "Execute round trip",
+    "execute_wait_seconds": "wait for the Execute in flight",
     "runner_busy_seconds": "runner (its total)",
     "runner_forward_seconds": "runner: forward",
     "runner_sample_seconds": "runner: sampling",

@@ -1,5 +1,10 @@
 """The step loop: one block-service Step and one runner Execute per scheduling step.
 
+The Step of step N+1 is sent while step N's Execute runs: the scheduler plans N+1 from what
+N will have computed, and a decode whose token N is still sampling gets its position reserved
+in the block service (the next Step fills in the token). Execute N+1 goes out as soon as N's
+samples are in, so the Step's round trip is off the path from one forward to the next.
+
 One thread owns the scheduler and every request's state. Servicer threads only hand
 requests in (`submit`) and ask for aborts (`abort`); both wake the loop. A second thread
 keeps the block-service session alive and probes the runner. When the runner's epoch changes
@@ -23,6 +28,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -191,6 +197,14 @@ def call_with_retry(rpc: Callable[..., T], request: Any, timeout_s: float,
         return reply  # type: ignore[no-any-return]
 
 
+@dataclass
+class InFlight:
+    """The Execute that runs while the loop plans and sends the next Step."""
+
+    work: list[Work]
+    reply: Future[runner_pb2.ExecuteResponse]
+
+
 class AdmissionError(Exception):
     """The waiting queue is full."""
 
@@ -236,6 +250,8 @@ class Engine:
         self._session_id = ""
         self._step_id = 0
         self._requests: dict[str, Request] = {}  # engine thread only
+        self._in_flight: InFlight | None = None  # engine thread only
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-execute")
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
@@ -271,6 +287,7 @@ class Engine:
             self._lock.notify_all()
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=30)
+        self._executor.shutdown(wait=True, cancel_futures=True)
         for request in [*self._requests.values(), *self._inbox]:
             request.abort_outputs()
             request.flush()
@@ -501,7 +518,9 @@ class Engine:
         plan = self.scheduler.schedule()
         planning_s = time.perf_counter() - started
         if plan.is_empty:
-            time.sleep(_NO_PROGRESS_WAIT_S)
+            if self._in_flight is None:
+                time.sleep(_NO_PROGRESS_WAIT_S)
+            self._finish_in_flight()
             return
         try:
             response = self._send_step(plan)
@@ -514,17 +533,44 @@ class Engine:
             if outcome.stale:
                 raise BackendLost("the pool's epoch changed")
             self._apply_outcome(outcome)
-            if not outcome.work:
+            self._finish_in_flight()
+            # Sequences that finished (or were aborted) at the step in flight are planned in
+            # this one too: their reserved positions go unused and they are freed next step.
+            work = [item for item in outcome.work if item.seq.status is SeqStatus.RUNNING]
+            if not work:
                 if plan.allocates or outcome.preempted:
                     time.sleep(_NO_PROGRESS_WAIT_S)  # nothing fits yet: do not spin
                 return
-            reply = self._execute(outcome.work, list(response.copies))
+            self._start_execute(work, list(response.copies))
         except Exception:
+            self._drop_in_flight()
             self.scheduler.abandon(plan)  # every failure resets: keep the queue whole
             raise
-        self.scheduler.on_executed(outcome.work)
+
+    def _start_execute(self, work: list[Work], copies: list[block_pb2.BlockCopy]) -> None:
+        request = self._execute_request(work, copies)
+        self._in_flight = InFlight(work, self._executor.submit(self._execute, request))
+
+    def _finish_in_flight(self) -> None:
+        """Waits for the Execute in flight and takes its samples (a failure raises here)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        with metrics.EXECUTE_WAIT_SECONDS.time():
+            reply = in_flight.reply.result()
+        self.scheduler.on_executed(in_flight.work)
         with metrics.OUTPUT_SECONDS.time():
-            self._take_samples(outcome.work, reply)
+            self._take_samples(in_flight.work, reply)
+
+    def _drop_in_flight(self) -> None:
+        """Before a reset: lets the Execute in flight end (it writes KV into blocks the reset
+        hands out again) and forgets its results; its sequences are recomputed."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            try:
+                in_flight.reply.result()
+            except Exception as error:  # the reset that follows deals with the cause
+                log.info("the Execute in flight failed too: %s", error)
 
     def _send_step(self, plan: StepPlan) -> block_pb2.StepResponse:
         assert self.info is not None
@@ -563,8 +609,8 @@ class Engine:
                 self._end_request(request, "failed", ("INTERNAL", f"block service: {error}"))
         self._update_gauges()
 
-    def _execute(self, work: list[Work], copies: list[block_pb2.BlockCopy]
-                 ) -> runner_pb2.ExecuteResponse:
+    def _execute_request(self, work: list[Work], copies: list[block_pb2.BlockCopy]
+                         ) -> runner_pb2.ExecuteRequest:
         assert self.info is not None
         rows = {
             request_id: SamplingRow(r.params.temperature, r.params.top_p, r.params.top_k,
@@ -577,6 +623,10 @@ class Engine:
         metrics.BATCH_SEQS.observe(len(work))
         metrics.BATCH_TOKENS.observe(len(request.token_ids))
         metrics.SCHEDULED_TOKENS.inc(len(request.token_ids))
+        return request
+
+    def _execute(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+        """One Execute under the retry policy (on the executor thread)."""
         try:
             with metrics.EXECUTE_SECONDS.time():
                 reply = self._call(RUNNER, self._runner.Execute, request,
@@ -618,6 +668,7 @@ class Engine:
         """Starts over with the runner's current epoch and a new session; running sequences
         are recomputed from their tokens so far."""
         started = time.monotonic()
+        self._drop_in_flight()
         self.info = self._wait_for_runner(self.retry.give_up_s)
         self._create_pool(self.info)
         self._close_session()

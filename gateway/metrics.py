@@ -38,6 +38,11 @@ RUNNER_SECONDS = Histogram(
     "pagewire_gateway_runner_busy_seconds", "Time the runner reports for each batch (total_ms)",
     buckets=_SECONDS_BUCKETS,
 )
+EXECUTE_WAIT_SECONDS = Histogram(
+    "pagewire_gateway_execute_wait_seconds",
+    "How long the loop waited for the Execute in flight once the next Step was answered",
+    buckets=_SECONDS_BUCKETS,
+)
 LOOP_SECONDS = Histogram(
     "pagewire_gateway_step_loop_seconds", "Whole scheduling steps (plan to streamed tokens)",
     buckets=_SECONDS_BUCKETS,

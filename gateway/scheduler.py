@@ -55,10 +55,17 @@ class FreeOp:
 
 @dataclass
 class Grant:
-    """A sequence allowed to compute up to `num_tokens` tokens this step."""
+    """A sequence allowed to compute up to `num_tokens` tokens this step.
+
+    A decode's APPEND registers tokens num_registered .. register_end - 1 (a reserved
+    position's value first) and, with `lookahead`, reserves the position of the token the
+    Execute in flight is sampling.
+    """
 
     seq: Sequence
     num_tokens: int
+    register_end: int = 0
+    lookahead: int = 0
 
 
 @dataclass
@@ -95,6 +102,12 @@ class Work:
     num_tokens: int
     slots: list[int]
     do_sample: bool
+    # The allocation the work was planned for: a sequence preempted (or reset) while the
+    # work ran holds another one, or none, when its results come back.
+    block_seq_id: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_seq_id = self.seq.block_seq_id
 
 
 @dataclass
@@ -206,17 +219,24 @@ class Scheduler:
                     child.block_seq_id = next(self._block_seq_ids)
                     child.num_registered = seq.num_registered
                     child.num_computed = child.num_committed = seq.num_computed
+                    child.num_scheduled = seq.num_scheduled
                     plan.forks.append((seq, child))
                 for member in group:
-                    plan.appends.append(Grant(member, 1))
+                    plan.appends.append(self._decode_grant(member))
                 budget -= len(group)
             elif seq.is_decode_ready:
-                need = seq.num_tokens - seq.num_registered
-                if budget < need:
+                if budget < 1:
                     continue
-                plan.appends.append(Grant(seq, need))
-                budget -= need
+                plan.appends.append(self._decode_grant(seq))
+                budget -= 1
         return budget
+
+    @staticmethod
+    def _decode_grant(seq: Sequence) -> Grant:
+        """One position: its token's value is known, or the Execute in flight samples it
+        (then the APPEND reserves the position and the next one fills it in)."""
+        register_end = min(seq.num_tokens, seq.num_scheduled + 1)
+        return Grant(seq, 1, register_end, int(seq.num_scheduled == seq.num_tokens))
 
     def _schedule_prefills(self, plan: StepPlan, budget: int) -> int:
         for seq in self.running:
@@ -226,7 +246,7 @@ class Scheduler:
                 plan.commits.append(seq)
             if budget == 0:
                 continue
-            chunk = min(seq.num_registered - seq.num_computed, budget)
+            chunk = min(seq.num_registered - seq.num_scheduled, budget)
             plan.prefills.append(Grant(seq, chunk))
             budget -= chunk
         return budget
@@ -319,7 +339,8 @@ class Scheduler:
         seq = grant.seq
         seq.block_table[result.table_start:] = result.table_ids
         seq.num_committed = seq.num_computed
-        seq.num_registered = seq.num_tokens
+        seq.num_registered = grant.register_end
+        seq.reserved = bool(grant.lookahead)
 
     def _apply_allocate(self, grant: Grant, result: OpResult, admitted: list[Grant],
                         unadmitted: list[Sequence], outcome: StepOutcome) -> None:
@@ -336,7 +357,7 @@ class Scheduler:
             return
         seq.block_table = list(result.table_ids)
         seq.num_registered = seq.alloc_len
-        seq.num_computed = result.num_cached_tokens
+        seq.num_computed = seq.num_scheduled = result.num_cached_tokens
         seq.num_committed = result.num_cached_tokens
         seq.prefill_slot_start = result.num_cached_tokens
         seq.prefill_slots = list(result.slots)
@@ -379,17 +400,18 @@ class Scheduler:
             seq = grant.seq
             if seq in skip or seq not in appended:
                 continue
-            start = seq.num_computed
-            outcome.work.append(Work(seq, start, seq.num_tokens - start, appended[seq], True))
+            slots = appended[seq]
+            outcome.work.append(self._scheduled(Work(seq, seq.num_scheduled, len(slots), slots,
+                                                     True)))
         for grant in [*plan.prefills, *admitted]:
             seq = grant.seq
             if seq in skip or seq.status is not SeqStatus.RUNNING:
                 continue
-            outcome.work.append(self._prefill_work(seq, grant.num_tokens))
+            outcome.work.append(self._scheduled(self._prefill_work(seq, grant.num_tokens)))
 
     @staticmethod
     def _prefill_work(seq: Sequence, granted: int) -> Work:
-        start = seq.num_computed
+        start = seq.num_scheduled
         count = min(granted, seq.num_registered - start)
         offset = start - seq.prefill_slot_start
         slots = seq.prefill_slots[offset:offset + count]
@@ -397,11 +419,22 @@ class Scheduler:
         do_sample = start + count == seq.num_tokens
         return Work(seq, start, count, slots, do_sample)
 
+    @staticmethod
+    def _scheduled(item: Work) -> Work:
+        """Counts the work as under way: the next step is planned from there, while it runs."""
+        item.seq.num_scheduled = item.start + item.num_tokens
+        item.seq.num_pending += item.do_sample
+        return item
+
     def on_executed(self, work: list[Work]) -> None:
-        """The runner wrote the KV of every token in `work`."""
+        """The runner wrote the KV of every token in `work` (and sampled what it samples)."""
         for item in work:
-            item.seq.num_computed = item.start + item.num_tokens
+            seq = item.seq
+            if seq.block_seq_id != item.block_seq_id:
+                continue  # preempted or reset meanwhile: that allocation is gone
+            seq.num_computed = max(seq.num_computed, item.start + item.num_tokens)
+            seq.num_pending -= item.do_sample
 
     def _queue_free(self, seq: Sequence) -> None:
         if seq.block_seq_id:
-            self._pending_frees.append(FreeOp(seq.block_seq_id, seq.num_computed))
+            self._pending_frees.append(FreeOp(seq.block_seq_id, seq.reportable_computed))

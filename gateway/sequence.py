@@ -2,7 +2,9 @@
 
 A request with `n` outputs has `n` sequences. A sequence's tokens are its prompt followed by
 what it has generated; the scheduler tracks how many of them the block service knows
-(`num_registered`) and how many have their KV written by the runner (`num_computed`).
+(`num_registered`, plus a position it holds `reserved` for a token not sampled yet), how many
+have their KV written by the runner (`num_computed`) or are being written by the Execute in
+flight (`num_scheduled`), and whether that Execute samples its next token (`num_pending`).
 """
 
 from __future__ import annotations
@@ -54,8 +56,15 @@ class Sequence:
     pending_children: list[Sequence] = field(default_factory=list)
     admit_order: int = -1  # increases with each admission; preemption picks the largest
     block_seq_id: int = 0  # the id of the current allocation in the block service; 0: none
-    num_registered: int = 0  # leading tokens the block service holds blocks for
-    num_computed: int = 0  # leading tokens whose KV the runner has written
+    num_registered: int = 0  # leading tokens the block service holds (values known to it)
+    # The block service also holds position num_registered, whose token it has not been told:
+    # reserved while that token was still being sampled (filled by the next APPEND).
+    reserved: bool = False
+    num_computed: int = 0  # leading tokens whose KV the runner has written (confirmed)
+    num_scheduled: int = 0  # leading tokens computed or being computed by the Execute in flight
+    # Tokens that scheduled Executes will sample and have not returned yet. When a step is
+    # planned, at most the one in flight: 0, or 1 for the token after num_tokens.
+    num_pending: int = 0
     num_committed: int = 0  # num_computed as last told to the block service
     block_table: list[int] = field(default_factory=list)
     # Slots of the positions slot_start .. num_registered - 1, from the allocation.
@@ -89,12 +98,20 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < self.num_registered
+        return self.num_scheduled < self.num_registered
 
     @property
     def is_decode_ready(self) -> bool:
-        """All registered tokens are computed and at least one more token awaits its slot."""
-        return self.num_computed == self.num_registered < self.num_tokens
+        """Every position the block service holds is scheduled, and one more token (known,
+        or being sampled by the Execute in flight) awaits its slot."""
+        return (self.num_scheduled == self.num_registered + self.reserved
+                < self.num_tokens + self.num_pending)
+
+    @property
+    def reportable_computed(self) -> int:
+        """How many of its tokens the block service may be told are computed: a reserved
+        position's value is unknown to it."""
+        return min(self.num_computed, self.num_registered)
 
     @property
     def is_fork_ready(self) -> bool:
@@ -104,7 +121,10 @@ class Sequence:
         """Back to the state of a sequence that holds no blocks (kept tokens: recompute)."""
         self.block_seq_id = 0
         self.num_registered = 0
+        self.reserved = False
         self.num_computed = 0
+        self.num_scheduled = 0
+        self.num_pending = 0
         self.num_committed = 0
         self.block_table = []
         self.prefill_slots = []

@@ -30,15 +30,17 @@ class _Columns:
     token_ids: list[int]
     parent_ids: list[int]
     computed: list[int]
+    lookaheads: list[int]
 
     def add(self, kind: block_pb2.OpKind, seq_id: int, tokens: list[int], parent_id: int = 0,
-            computed: int = -1) -> None:
+            computed: int = -1, lookahead: int = 0) -> None:
         self.kinds.append(kind)
         self.seq_ids.append(seq_id)
         self.token_counts.append(len(tokens))
         self.token_ids.extend(tokens)
         self.parent_ids.append(parent_id)
         self.computed.append(computed)
+        self.lookaheads.append(lookahead)
 
 
 def build_step_request(plan: StepPlan, session_id: str, pool_id: str, step_id: int,
@@ -47,17 +49,21 @@ def build_step_request(plan: StepPlan, session_id: str, pool_id: str, step_id: i
 
     `cache_salts` maps request ids to their tenant salt (absent: no salt).
     """
-    cols = _Columns([], [], [], [], [], [])
+    cols = _Columns([], [], [], [], [], [], [])
     for free in plan.frees:
         cols.add(block_pb2.OP_KIND_FREE, free.block_seq_id, [], computed=free.num_computed)
     for seq in plan.commits:
-        cols.add(block_pb2.OP_KIND_COMMIT, seq.block_seq_id, [], computed=seq.num_computed)
+        cols.add(block_pb2.OP_KIND_COMMIT, seq.block_seq_id, [],
+                 computed=seq.reportable_computed)
     for parent, child in plan.forks:
         cols.add(block_pb2.OP_KIND_FORK, child.block_seq_id, [], parent_id=parent.block_seq_id)
     for grant in plan.appends:
         seq = grant.seq
-        cols.add(block_pb2.OP_KIND_APPEND, seq.block_seq_id, seq.token_ids[seq.num_registered:],
-                 computed=seq.num_registered)
+        # The KV confirmed so far: the block service publishes full blocks within it, so it
+        # must never count the Execute in flight (nor a position it has not been told).
+        cols.add(block_pb2.OP_KIND_APPEND, seq.block_seq_id,
+                 seq.token_ids[seq.num_registered:grant.register_end],
+                 computed=seq.num_computed, lookahead=grant.lookahead)
     salts: dict[int, str] = {}
     for grant in plan.allocates:
         seq = grant.seq
@@ -77,6 +83,7 @@ def build_step_request(plan: StepPlan, session_id: str, pool_id: str, step_id: i
         parent_seq_ids=cols.parent_ids,
         num_computed_tokens=cols.computed,
         cache_salts=salts,
+        num_lookahead_slots=cols.lookaheads if any(cols.lookaheads) else [],
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gateway.scheduler import OpOutcome, OpResult, Scheduler, StepPlan
 from gateway.sequence import SeqStatus, Sequence
+from gateway.step_builder import build_step_request
 
 BLOCK = 4
 
@@ -211,3 +212,78 @@ def test_an_abandoned_step_puts_admissions_back_in_order() -> None:
     assert list(scheduler.waiting) == [a, b, c] and all(s.block_seq_id == 0 for s in (a, b, c))
     scheduler.finish(b)
     assert list(scheduler.waiting) == [a, c]
+
+
+def decode_results(plan: StepPlan) -> list[OpResult]:
+    """OK for a plan of decodes only: one slot per append (its one new position)."""
+    return [OpResult(OpOutcome.OK, len(g.seq.block_table), [], [5000 + g.seq.num_scheduled])
+            for g in plan.appends]
+
+
+def test_a_decode_planned_while_its_token_is_sampled_reserves_the_position() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a = make_seq("a", 5)
+    scheduler.add([a])
+    plan = scheduler.schedule()
+    prefill = scheduler.apply_results(plan, ok_results(plan)).work  # in flight: samples 5
+    # Step 2 is planned before the prefill's sample is in: it only reserves position 5.
+    plan = scheduler.schedule()
+    assert [(g.seq, g.register_end, g.lookahead) for g in plan.appends] == [(a, 5, 1)]
+    request = build_step_request(plan, "s", "p", 2, 1, {})
+    assert list(request.token_ids) == [] and list(request.num_lookahead_slots) == [1]
+    assert list(request.num_computed_tokens) == [0]  # the prefill is not confirmed yet
+    decode = scheduler.apply_results(plan, decode_results(plan)).work
+    assert [(w.seq, w.start, w.num_tokens, w.slots) for w in decode] == [(a, 5, 1, [5005])]
+    assert (a.num_registered, a.reserved, a.num_scheduled) == (5, True, 6)
+    # The prefill returns with token 7 at position 5; step 3 fills it in and reserves 6.
+    scheduler.on_executed(prefill)
+    a.token_ids.append(7)
+    plan = scheduler.schedule()
+    request = build_step_request(plan, "s", "p", 3, 1, {})
+    assert list(request.token_ids) == [7] and list(request.num_lookahead_slots) == [1]
+    assert list(request.num_computed_tokens) == [5]
+
+
+def test_a_decode_whose_token_is_known_appends_it_without_a_reservation() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a = make_seq("a", 5)
+    scheduler.add([a])
+    run_step(scheduler, scheduler.schedule())  # one step at a time: the sample is in
+    plan = scheduler.schedule()
+    request = build_step_request(plan, "s", "p", 2, 1, {})
+    assert list(request.token_ids) == [7] and list(request.num_lookahead_slots) == []
+    assert list(request.num_computed_tokens) == [5]
+
+
+def test_a_sequence_that_finishes_while_the_next_step_is_planned_frees_what_it_holds() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a = make_seq("a", 5)
+    scheduler.add([a])
+    plan = scheduler.schedule()
+    prefill = scheduler.apply_results(plan, ok_results(plan)).work
+    plan = scheduler.schedule()
+    scheduler.apply_results(plan, decode_results(plan))  # position 5 reserved
+    scheduler.on_executed(prefill)
+    a.token_ids.append(2)  # the prefill sampled EOS: the decode planned for it never runs
+    scheduler.finish(a)
+    plan = scheduler.schedule()
+    # Its computed prompt is reported; the reserved position is not (its value is unknown).
+    assert [(f.block_seq_id, f.num_computed) for f in plan.frees] == [(a.block_seq_id, 5)]
+    assert plan.appends == [] and not scheduler.running
+
+
+def test_results_of_work_whose_sequence_was_preempted_meanwhile_are_ignored() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    a, b = make_seq("a", 3), make_seq("b", 3)
+    scheduler.add([a, b])
+    plan = scheduler.schedule()
+    in_flight = scheduler.apply_results(plan, ok_results(plan)).work
+    plan = scheduler.schedule()
+    results = decode_results(plan)
+    results[0] = OpResult(OpOutcome.NO_SPACE)  # a finds no block: b (newest) is preempted
+    outcome = scheduler.apply_results(plan, results)
+    assert outcome.preempted == [b] and b.status is SeqStatus.WAITING
+    scheduler.on_executed(in_flight)
+    # b's allocation is gone: the prefill that ran for it counts for nothing.
+    assert (b.num_computed, b.num_scheduled, b.num_pending) == (0, 0, 0)
+    assert (a.num_computed, a.num_pending) == (3, 0)
