@@ -1,9 +1,11 @@
 """The step loop: one block-service Step and one runner Execute per scheduling step.
 
-The Step of step N+1 is sent while step N's Execute runs: the scheduler plans N+1 from what
-N will have computed, and a decode whose token N is still sampling gets its position reserved
-in the block service (the next Step fills in the token). Execute N+1 goes out as soon as N's
-samples are in, so the Step's round trip is off the path from one forward to the next.
+Step N+1 is planned, sent to the block service and sent to the runner while step N's forward
+runs: the scheduler plans N+1 from what N will have computed, a decode whose token N is still
+sampling gets its position reserved in the block service (the next Step fills in the token),
+and Execute N+1 leaves that token to the runner (taken from its answer to N). The runner
+starts forward N+1 as soon as forward N ends; the loop then takes N's samples. Sequences that
+finish at N run one step too many (their samples are dropped) and are freed a step later.
 
 One thread owns the scheduler and every request's state. Servicer threads only hand
 requests in (`submit`) and ask for aborts (`abort`); both wake the loop. A second thread
@@ -27,6 +29,7 @@ import os
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +41,7 @@ from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.request import Request, TokenLogprobs
 from gateway.scheduler import Scheduler, StepOutcome, StepPlan, Work
-from gateway.sequence import SeqStatus
+from gateway.sequence import SeqStatus, Sequence
 from gateway.step_builder import (
     SamplingRow,
     build_execute_request,
@@ -199,8 +202,9 @@ def call_with_retry(rpc: Callable[..., T], request: Any, timeout_s: float,
 
 @dataclass
 class InFlight:
-    """The Execute that runs while the loop plans and sends the next Step."""
+    """An Execute sent to the runner whose answer the loop has not taken yet."""
 
+    step_id: int
     work: list[Work]
     reply: Future[runner_pb2.ExecuteResponse]
 
@@ -250,8 +254,9 @@ class Engine:
         self._session_id = ""
         self._step_id = 0
         self._requests: dict[str, Request] = {}  # engine thread only
-        self._in_flight: InFlight | None = None  # engine thread only
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-execute")
+        # Oldest first: at most two, the one running and the one queued behind it.
+        self._in_flight: deque[InFlight] = deque()  # engine thread only
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="engine-execute")
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
@@ -518,9 +523,9 @@ class Engine:
         plan = self.scheduler.schedule()
         planning_s = time.perf_counter() - started
         if plan.is_empty:
-            if self._in_flight is None:
+            if not self._in_flight:
                 time.sleep(_NO_PROGRESS_WAIT_S)
-            self._finish_in_flight()
+            self._take_in_flight(keep=0)
             return
         try:
             response = self._send_step(plan)
@@ -533,44 +538,50 @@ class Engine:
             if outcome.stale:
                 raise BackendLost("the pool's epoch changed")
             self._apply_outcome(outcome)
-            self._finish_in_flight()
-            # Sequences that finished (or were aborted) at the step in flight are planned in
-            # this one too: their reserved positions go unused and they are freed next step.
             work = [item for item in outcome.work if item.seq.status is SeqStatus.RUNNING]
-            if not work:
-                if plan.allocates or outcome.preempted:
-                    time.sleep(_NO_PROGRESS_WAIT_S)  # nothing fits yet: do not spin
-                return
-            self._start_execute(work, list(response.copies))
+            if work:
+                self._start_execute(work, list(response.copies))
+            self._take_in_flight(keep=1 if work else 0)
+            if not work and (plan.allocates or outcome.preempted):
+                time.sleep(_NO_PROGRESS_WAIT_S)  # nothing fits yet: do not spin
         except Exception:
             self._drop_in_flight()
             self.scheduler.abandon(plan)  # every failure resets: keep the queue whole
             raise
 
     def _start_execute(self, work: list[Work], copies: list[block_pb2.BlockCopy]) -> None:
-        request = self._execute_request(work, copies)
-        self._in_flight = InFlight(work, self._executor.submit(self._execute, request))
+        """Sends the step's Execute, to run after the one in flight; tokens that one samples
+        are left to the runner (rows of its answer)."""
+        pending_rows: dict[Sequence, int] = {}
+        after_step_id = 0
+        if self._in_flight:
+            previous = self._in_flight[-1]
+            pending_rows = {seq: row for row, seq in enumerate(sampled_sequences(previous.work))}
+            after_step_id = previous.step_id
+        request = self._execute_request(work, copies, pending_rows, after_step_id)
+        self._in_flight.append(InFlight(self._step_id, work,
+                                        self._executor.submit(self._execute, request)))
 
-    def _finish_in_flight(self) -> None:
-        """Waits for the Execute in flight and takes its samples (a failure raises here)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
-            return
-        with metrics.EXECUTE_WAIT_SECONDS.time():
-            reply = in_flight.reply.result()
-        self.scheduler.on_executed(in_flight.work)
-        with metrics.OUTPUT_SECONDS.time():
-            self._take_samples(in_flight.work, reply)
+    def _take_in_flight(self, keep: int) -> None:
+        """Waits for the oldest Executes until `keep` remain, and takes their samples (a
+        failure raises here)."""
+        while len(self._in_flight) > keep:
+            in_flight = self._in_flight.popleft()
+            with metrics.EXECUTE_WAIT_SECONDS.time():
+                reply = in_flight.reply.result()
+            self.scheduler.on_executed(in_flight.work)
+            with metrics.OUTPUT_SECONDS.time():
+                self._take_samples(in_flight.work, reply)
 
     def _drop_in_flight(self) -> None:
-        """Before a reset: lets the Execute in flight end (it writes KV into blocks the reset
-        hands out again) and forgets its results; its sequences are recomputed."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
+        """Before a reset: lets the Executes in flight end (they write KV into blocks the reset
+        hands out again) and forgets their results; their sequences are recomputed."""
+        while self._in_flight:
+            in_flight = self._in_flight.popleft()
             try:
                 in_flight.reply.result()
             except Exception as error:  # the reset that follows deals with the cause
-                log.info("the Execute in flight failed too: %s", error)
+                log.info("an Execute in flight failed too: %s", error)
 
     def _send_step(self, plan: StepPlan) -> block_pb2.StepResponse:
         assert self.info is not None
@@ -609,7 +620,8 @@ class Engine:
                 self._end_request(request, "failed", ("INTERNAL", f"block service: {error}"))
         self._update_gauges()
 
-    def _execute_request(self, work: list[Work], copies: list[block_pb2.BlockCopy]
+    def _execute_request(self, work: list[Work], copies: list[block_pb2.BlockCopy],
+                         pending_rows: Mapping[Sequence, int], after_step_id: int
                          ) -> runner_pb2.ExecuteRequest:
         assert self.info is not None
         rows = {
@@ -618,7 +630,7 @@ class Engine:
             for request_id, r in self._requests.items()
         }
         request = build_execute_request(work, copies, self.info.epoch, self._session_id,
-                                        self._step_id, rows)
+                                        self._step_id, rows, pending_rows, after_step_id)
         metrics.EXECUTES.inc()
         metrics.BATCH_SEQS.observe(len(work))
         metrics.BATCH_TOKENS.observe(len(request.token_ids))

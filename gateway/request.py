@@ -126,9 +126,10 @@ class Request:
     def _make_sequences(self) -> list[Seq]:
         """n sequences; with n > 1 and a prompt of 2+ tokens, children fork from the first."""
         n = self.params.n
+        max_num_tokens = min(len(self.prompt_ids) + self.params.max_tokens, self.max_len)
         seqs = [
             Seq(self.request_id, i, list(self.prompt_ids), len(self.prompt_ids),
-                output_seed(self.params.seed, i))
+                output_seed(self.params.seed, i), max_num_tokens=max_num_tokens)
             for i in range(n)
         ]
         if n > 1 and len(self.prompt_ids) >= 2:

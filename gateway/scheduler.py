@@ -224,7 +224,7 @@ class Scheduler:
                 for member in group:
                     plan.appends.append(self._decode_grant(member))
                 budget -= len(group)
-            elif seq.is_decode_ready:
+            elif seq.is_decode_ready and not seq.is_last_token_pending:
                 if budget < 1:
                     continue
                 plan.appends.append(self._decode_grant(seq))
@@ -370,13 +370,25 @@ class Scheduler:
         admitted.append(grant)
 
     def _preempt_for(self, no_space: list[Sequence], outcome: StepOutcome) -> set[Sequence]:
-        """Preempts one running sequence per decode that found no block: newest first."""
+        """Preempts running sequences, newest first, until the blocks they hold would cover a
+        block for each decode that found none (a victim among those needs none any more).
+
+        One victim per such decode would be too many: when every running sequence crosses
+        into a new block in the same step, all of them would go, the samples of the step in
+        flight with them, and their recompute would end the same way, forever.
+        """
         victims: set[Sequence] = set()
-        for _ in no_space:
+        needed = len(no_space)
+        freed = 0
+        while freed < needed:
             candidates = [s for s in self.running if s not in victims]
             if not candidates:
                 break
-            victims.add(max(candidates, key=lambda s: s.admit_order))
+            victim = max(candidates, key=lambda s: s.admit_order)
+            victims.add(victim)
+            # Shared blocks (prefixes, forks) stay held: an estimate, the next Step corrects it.
+            freed += len(victim.block_table)
+            needed -= victim in no_space
         # Re-queue oldest-admitted first at the very front so FCFS order is kept.
         for victim in sorted(victims, key=lambda s: s.admit_order, reverse=True):
             self.running.remove(victim)

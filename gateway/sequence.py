@@ -10,6 +10,7 @@ flight (`num_scheduled`), and whether that Execute samples its next token (`num_
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 
 
@@ -71,6 +72,9 @@ class Sequence:
     prefill_slots: list[int] = field(default_factory=list)
     prefill_slot_start: int = 0
     num_cached_at_admission: int | None = None  # prefix-cache hit of the first allocation
+    # Its length when it ends by length (max_tokens, or the model's length): a decode whose
+    # pending token reaches it is not planned (it would compute a token nobody takes).
+    max_num_tokens: int = sys.maxsize
     num_preemptions: int = 0
 
     @property
@@ -112,6 +116,11 @@ class Sequence:
         """How many of its tokens the block service may be told are computed: a reserved
         position's value is unknown to it."""
         return min(self.num_computed, self.num_registered)
+
+    @property
+    def is_last_token_pending(self) -> bool:
+        """The Execute in flight samples the token that ends this sequence by length."""
+        return self.num_pending > 0 and self.num_tokens + self.num_pending >= self.max_num_tokens
 
     @property
     def is_fork_ready(self) -> bool:

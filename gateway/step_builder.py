@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.scheduler import OpOutcome, OpResult, StepPlan, Work
@@ -117,10 +118,17 @@ def parse_step_response(response: block_pb2.StepResponse, num_ops: int) -> list[
 
 
 def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], epoch: int,
-                          client_id: str, step_id: int,
-                          params_of: dict[str, SamplingRow]) -> runner_pb2.ExecuteRequest:
-    """One ExecuteRequest for the step's work (`params_of` maps request id to its row)."""
-    request = runner_pb2.ExecuteRequest(epoch=epoch, client_id=client_id, step_id=step_id)
+                          client_id: str, step_id: int, params_of: dict[str, SamplingRow],
+                          pending_rows: Mapping[Sequence, int] | None = None,
+                          after_step_id: int = 0) -> runner_pb2.ExecuteRequest:
+    """One ExecuteRequest for the step's work (`params_of` maps request id to its row), to
+    run after step `after_step_id` (0: none) when that one is still running.
+
+    A decode whose input token that step is still sampling leaves it to the runner:
+    `pending_rows` maps each such sequence to its row in that step's answer.
+    """
+    request = runner_pb2.ExecuteRequest(epoch=epoch, client_id=client_id, step_id=step_id,
+                                        after_step_id=after_step_id)
     request.copy_src_block_ids.extend(c.src_block_id for c in copies)
     request.copy_dst_block_ids.extend(c.dst_block_id for c in copies)
     num_new: list[int] = []
@@ -129,11 +137,20 @@ def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], e
     slots: list[int] = []
     table_lens: list[int] = []
     tables: list[int] = []
+    pending_indices: list[int] = []
+    pending_sample_rows: list[int] = []
     for item in work:
         seq = item.seq
         num_new.append(item.num_tokens)
         starts.append(item.start)
         token_ids.extend(seq.token_ids[item.start:item.start + item.num_tokens])
+        if item.start + item.num_tokens > seq.num_tokens:  # its last token is being sampled
+            if pending_rows is None or seq not in pending_rows:
+                raise RuntimeError(f"no step in flight samples the token at position "
+                                   f"{seq.num_tokens} of {seq.request_id}")
+            pending_indices.append(len(token_ids))
+            pending_sample_rows.append(pending_rows[seq])
+            token_ids.append(0)  # the runner writes the sampled token here
         slots.extend(item.slots)
         table_lens.append(len(seq.block_table))
         tables.extend(seq.block_table)
@@ -144,6 +161,8 @@ def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], e
     request.block_table_lens.extend(table_lens)
     request.block_tables.extend(tables)
     request.do_sample.extend(item.do_sample for item in work)
+    request.pending_token_indices.extend(pending_indices)
+    request.pending_sample_rows.extend(pending_sample_rows)
     _add_sampling_columns(request, work, params_of)
     return request
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
+from gpu_runner.batch import BatchError
+from gpu_runner.servicer import PendingStepError, RetryCache, StepGate
 from protos import runner_pb2, runner_pb2_grpc
 
 VOCAB = 49152
@@ -46,7 +48,9 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.epoch = epoch
         self.cache = np.full(num_blocks * block_size, _EMPTY, dtype=np.int64)
         self.batches: list[runner_pb2.ExecuteRequest] = []
+        self.retries = RetryCache()  # the last answer per client: pending tokens come from it
         self.lock = threading.Lock()
+        self.gate = StepGate()  # a step sent while its previous one runs waits for it
         self.proceed = threading.Event()  # cleared: Execute waits (a busy runner)
         self.proceed.set()
 
@@ -62,14 +66,29 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
     def Execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
                 ) -> runner_pb2.ExecuteResponse:
         self.proceed.wait(30)
+        try:
+            with self.gate.turn(request.client_id, request.step_id, request.after_step_id):
+                return self._execute(request, context)
+        except PendingStepError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        raise AssertionError("unreachable: abort raises")
+
+    def _execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
+                 ) -> runner_pb2.ExecuteResponse:
         with self.lock:
             if request.epoch != self.epoch:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch")
+            try:
+                self.retries.fill_pending(request)
+            except BatchError as error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             self.batches.append(request)
             error = self._check(request)
             if error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-            return self._run(request)
+            answer = self._run(request)
+            self.retries.store(request.client_id, request.step_id, answer)
+            return answer
 
     def _check(self, request: runner_pb2.ExecuteRequest) -> str:
         n = len(request.num_new_tokens)

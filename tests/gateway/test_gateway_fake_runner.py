@@ -190,29 +190,33 @@ def test_full_waiting_queue_is_resource_exhausted(
         busy.close()
 
 
-def steps_sent() -> float:
-    return REGISTRY.get_sample_value("pagewire_gateway_steps_total") or 0.0
+def sent(counter: str) -> float:
+    return REGISTRY.get_sample_value(f"pagewire_gateway_{counter}_total") or 0.0
 
 
 def test_the_next_step_goes_out_while_the_execute_runs(stack: Stack) -> None:
-    """Step N+1 (reserving the position of the token N samples) is answered while Execute N
-    is still held in the runner; the output is the oracle's all the same."""
+    """Step N+1 (reserving the position of the token N samples) and Execute N+1 (leaving that
+    token to the runner) are sent while Execute N is still held in the runner; the output is
+    the oracle's all the same, and no step runs past max_tokens."""
     prompt = prompt_of(60, 9)
-    steps_before, batches_before = steps_sent(), len(stack.runner.batches)
+    steps_before, executes_before = sent("steps"), sent("executes")
+    batches_before = len(stack.runner.batches)
     stack.runner.proceed.clear()
     try:
         with ThreadPoolExecutor(1) as pool:
             result = pool.submit(stack.client.complete, token_ids=prompt, max_tokens=5,
                                  temperature=0)
             deadline = time.monotonic() + 10
-            while steps_sent() < steps_before + 2 and time.monotonic() < deadline:
+            while sent("executes") < executes_before + 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert steps_sent() == steps_before + 2  # the prefill's Step and the next one
-            assert len(stack.runner.batches) == batches_before  # the prefill is still held
+            # The prefill's Step and Execute, and the first decode's: the prefill still held.
+            assert sent("steps") == steps_before + 2
+            assert sent("executes") == executes_before + 2
+            assert len(stack.runner.batches) == batches_before
             stack.runner.proceed.set()
             assert result.result(timeout=30).token_ids[0] == expected_tokens(prompt, 5)
     finally:
         stack.runner.proceed.set()
-    # One Execute per token, and the Steps ran one ahead of them.
+    # One Execute per token: none for the position after the last.
     assert len(stack.runner.batches) == batches_before + 5
     assert stack.wait_idle().used_blocks == 0

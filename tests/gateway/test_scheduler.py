@@ -287,3 +287,18 @@ def test_results_of_work_whose_sequence_was_preempted_meanwhile_are_ignored() ->
     # b's allocation is gone: the prefill that ran for it counts for nothing.
     assert (b.num_computed, b.num_scheduled, b.num_pending) == (0, 0, 0)
     assert (a.num_computed, a.num_pending) == (3, 0)
+
+
+def test_preemption_stops_once_the_victims_blocks_cover_the_decodes_without_space() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=4)
+    seqs = [make_seq(str(i), 8) for i in range(4)]  # 2 blocks of 4 each
+    scheduler.add(seqs)
+    run_step(scheduler, scheduler.schedule())
+    plan = scheduler.schedule()
+    # Every decode crosses into a new block and none is free: the newest goes (2 blocks, and
+    # its own need with it), then the next newest (2 more); the oldest two retry.
+    outcome = run_step(scheduler, plan, [OpResult(OpOutcome.NO_SPACE)] * 4)
+    assert set(outcome.preempted) == {seqs[2], seqs[3]}
+    assert scheduler.running == seqs[:2] and outcome.work == []
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.appends] == seqs[:2] and len(plan.frees) == 2

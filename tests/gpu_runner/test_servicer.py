@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -15,9 +17,16 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from common.server import ServerOptions, start_server
-from gpu_runner.batch import ExecuteBatch
+from gpu_runner.batch import BatchError, ExecuteBatch
 from gpu_runner.runner import ExecuteResult, ModelRunner
-from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
+from gpu_runner.servicer import (
+    SERVICE_NAME,
+    PendingStepError,
+    RetryCache,
+    RunnerServicer,
+    StepGate,
+    register_handlers,
+)
 from protos import runner_pb2, runner_pb2_grpc
 from tests.gpu_runner.conftest import make_runner
 from tests.gpu_runner.test_parity import STEPS, TINY_LENGTHS, expected_tokens, random_prompts
@@ -195,3 +204,101 @@ def test_the_model_loads_on_the_thread_that_runs_its_batches(
     finally:
         service.stop(0)
         servicer.close()
+
+
+def _decode_after(prompt_request: runner_pb2.ExecuteRequest, client_id: str, step_id: int
+                  ) -> runner_pb2.ExecuteRequest:
+    """The decode that follows `_one_prompt_request`'s prefill: position 5, greedy."""
+    block = prompt_request.block_tables[0]
+    size = prompt_request.slot_mapping[1] - prompt_request.slot_mapping[0]
+    assert size == 1 and prompt_request.slot_mapping[0] % 16 == 0
+    return runner_pb2.ExecuteRequest(
+        epoch=prompt_request.epoch, client_id=client_id, step_id=step_id,
+        num_new_tokens=[1], start_positions=[5], token_ids=[0], slot_mapping=[block * 16 + 5],
+        block_table_lens=[1], block_tables=[block], do_sample=[True], temperatures=[0.0],
+        top_ps=[1.0], top_ks=[0], min_ps=[0.0], seeds=[0])
+
+
+def test_a_step_sent_before_its_previous_one_waits_for_it_and_takes_its_sample(
+        stub: runner_pb2_grpc.RunnerServiceStub) -> None:
+    info = stub.Info(runner_pb2.InfoRequest())
+    # Reference, one step at a time: the decode's input is the prefill's sample.
+    prefill = _one_prompt_request(info)
+    prefill.client_id, prefill.step_id = "in-order", 1
+    sampled = stub.Execute(prefill).token_ids[0]
+    decode = _decode_after(prefill, "in-order", 2)
+    decode.token_ids[:] = [sampled]
+    expected = list(stub.Execute(decode).token_ids)
+    # Pipelined: the decode leaves its input to the prefill's answer and arrives FIRST.
+    prefill.client_id = "pipelined"
+    decode = _decode_after(prefill, "pipelined", 2)
+    decode.after_step_id = 1
+    decode.pending_token_indices[:] = [0]
+    decode.pending_sample_rows[:] = [0]
+    with ThreadPoolExecutor(1) as pool:
+        early = pool.submit(stub.Execute, decode, timeout=60)
+        time.sleep(0.3)
+        assert not early.done()  # held until step 1 has run
+        assert stub.Execute(prefill).token_ids[0] == sampled
+        assert list(early.result().token_ids) == expected
+
+
+def test_a_step_after_a_step_that_failed_is_failed_precondition(
+        stub: runner_pb2_grpc.RunnerServiceStub, runner: ModelRunner) -> None:
+    info = stub.Info(runner_pb2.InfoRequest())
+    prefill = _one_prompt_request(info)
+    prefill.client_id, prefill.step_id = "failing", 1
+    prefill.token_ids[0] = info.vocab_size  # rejected: nothing runs, no answer is stored
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Execute(prefill)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    decode = _decode_after(prefill, "failing", 2)
+    decode.after_step_id = 1
+    decode.pending_token_indices[:] = [0]
+    decode.pending_sample_rows[:] = [0]
+    before = runner.kv_cache.clone()
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Execute(decode, timeout=10)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "step 1" in error.value.details()
+    assert torch.equal(runner.kv_cache, before)
+
+
+def test_a_step_whose_previous_one_never_comes_gives_up() -> None:
+    gate = StepGate(wait_s=0.2)
+    with gate.turn("c", 1, 0):
+        pass
+    with (pytest.raises(PendingStepError, match="step 3 of client 'c' has not run"),
+          gate.turn("c", 4, 3)):
+        pass
+    with gate.turn("c", 2, 1):  # step 1 has had its turn: no wait
+        pass
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: r.pending_sample_rows.append(0), "pending_sample_rows"),
+    (lambda r: r.ClearField("after_step_id"), "after_step_id"),
+    (lambda r: r.pending_token_indices.__setitem__(0, 1), "distinct indices"),
+    (lambda r: r.pending_sample_rows.__setitem__(0, 1), "row 1"),
+])
+def test_malformed_pending_tokens_are_invalid(
+        change: Callable[[runner_pb2.ExecuteRequest], None], message: str) -> None:
+    cache = RetryCache()
+    cache.store("c", 1, runner_pb2.ExecuteResponse(token_ids=[42]))
+    request = runner_pb2.ExecuteRequest(client_id="c", step_id=2, after_step_id=1,
+                                        token_ids=[0], pending_token_indices=[0],
+                                        pending_sample_rows=[0])
+    change(request)
+    with pytest.raises(BatchError, match=message):
+        cache.fill_pending(request)
+
+
+def test_pending_tokens_are_filled_and_cleared() -> None:
+    cache = RetryCache()
+    cache.store("c", 1, runner_pb2.ExecuteResponse(token_ids=[42, 43]))
+    request = runner_pb2.ExecuteRequest(client_id="c", step_id=2, after_step_id=1,
+                                        token_ids=[7, 0, 8, 0], pending_token_indices=[3, 1],
+                                        pending_sample_rows=[0, 1])
+    cache.fill_pending(request)
+    assert list(request.token_ids) == [7, 43, 8, 42]
+    assert not request.pending_token_indices and not request.pending_sample_rows
