@@ -102,13 +102,13 @@ def recover(core: BlockServiceCore, args: argparse.Namespace) -> Journal:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    options = server_options_from_args(args)  # first: --nice before any thread starts
     setup_logging("block_service", args.log_level)
     core = BlockServiceCore(
         LeasePolicy(args.default_lease_ttl_s, args.min_lease_ttl_s, args.max_lease_ttl_s),
         limits=Limits(**{name: getattr(args, name) for name in vars(Limits())}))
     journal = recover(core, args) if args.journal_dir else None
     register_pool_metrics(core)
-    options = server_options_from_args(args)
     service = start_server(options, register(core, options.max_workers), [SERVICE_NAME])
     reaper = LeaseReaper(core, args.reap_interval_s).start()
 

@@ -51,7 +51,7 @@ def _env(service: str, name: str, default: str) -> str:
 
 def add_server_arguments(parser: argparse.ArgumentParser, service: str, default_port: int) -> None:
     """Adds --host, --port, --metrics-port, --grace-s, --max-workers, --max-message-bytes,
-    --tls-cert, --tls-key, --tls-client-ca and --auth-token-file.
+    --tls-cert, --tls-key, --tls-client-ca, --auth-token-file and --nice.
 
     Each defaults to PAGEWIRE_<SERVICE>_<FLAG> from the environment, then to the built-in value.
     """
@@ -91,10 +91,22 @@ def add_server_arguments(parser: argparse.ArgumentParser, service: str, default_
         default=_env(service, "AUTH_TOKEN_FILE", ""),
         help="file of accepted bearer tokens, one per line (default: no auth)",
     )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=int(_env(service, "NICE", "0")),
+        help="lower this process's CPU priority by this much (0-19): for a service that "
+             "shares cores with a CPU runner, so that its work gives way to the forward's",
+    )
 
 
 def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
-    """Reads the flags added by add_server_arguments."""
+    """Reads the flags added by add_server_arguments, and applies --nice to every thread (call
+    it before starting threads of your own: later ones inherit it from the one starting them)."""
+    if not 0 <= args.nice <= 19:
+        raise SystemExit(f"--nice {args.nice}: give 0 to 19")
+    if args.nice:
+        lower_priority(args.nice)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -112,6 +124,19 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
         tls=tls,
         auth_tokens=read_tokens(args.auth_token_file),
     )
+
+
+def lower_priority(nice: int) -> None:
+    """Raises the nice value of every thread this process has (Linux keeps one per thread;
+    an imported library may have started some already) and so of every later one."""
+    try:
+        thread_ids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the process-wide call is all there is
+        os.nice(nice)
+        return
+    for thread_id in thread_ids:
+        current = os.getpriority(os.PRIO_PROCESS, thread_id)
+        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, current + nice))
 
 
 class GrpcService:

@@ -14,7 +14,7 @@ import grpc
 from common.log import setup_logging
 from common.security import ClientTls
 from gateway.client import PagewireClient, finish_reason_name
-from gateway.launcher import LaunchConfig, Launcher, serving_banner
+from gateway.launcher import SERVICES_NICE, LaunchConfig, Launcher, serving_banner
 from protos import gateway_pb2
 
 log = logging.getLogger("pagewire")
@@ -77,6 +77,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: a folder in --log-dir)")
     parser.add_argument("--no-restart", action="store_true",
                         help="stop everything when a service dies instead of restarting it")
+    parser.add_argument("--services-nice", type=int, default=SERVICES_NICE,
+                        help="CPU priority the gateway and block service give up (0-19), so "
+                             "that on a CPU runner their work gives way to the forward's")
     parser.add_argument("--demo", action="store_true",
                         help="stream the answer to a demo chat prompt once serving")
 
@@ -183,7 +186,7 @@ def serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, log_dir=args.log_dir, journal_dir=args.journal_dir,
-        restart=not args.no_restart,
+        restart=not args.no_restart, services_nice=args.services_nice,
     ))
     launcher.install_signal_handlers()
     log.info("logs in %s", launcher.log_dir)

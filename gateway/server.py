@@ -102,12 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    options = server_options_from_args(args)  # first: --nice before any thread starts
     setup_logging("gateway", args.log_level)
     try:
         config = config_from_args(args)
     except ValueError as error:  # inconsistent flags: a usage error, not a traceback
         parser.error(str(error))
-    gateway = Gateway(config, server_options_from_args(args))
+    gateway = Gateway(config, options)
     service = gateway.start()
     log.info("gateway serving on %s:%d (block service %s, runner %s)", args.host, service.port,
              gateway.config.block_service, gateway.config.runner)

@@ -4,6 +4,7 @@ the block service from its journal), logs why it died, and requests work again."
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,15 @@ import grpc
 import pytest
 
 from gateway.client import PagewireClient
-from gateway.launcher import Backoff, Child, LaunchConfig, Launcher, exit_reason, is_serving
+from gateway.launcher import (
+    SERVICES_NICE,
+    Backoff,
+    Child,
+    LaunchConfig,
+    Launcher,
+    exit_reason,
+    is_serving,
+)
 from protos import block_pb2, block_pb2_grpc
 from tests.faults.conftest import BLOCK_SIZE, KV_BYTES_PER_TOKEN, MAX_MODEL_LEN, record_timing
 from tests.helpers.services import free_port
@@ -120,3 +129,15 @@ def test_launcher_restarts_killed_services_and_serving_goes_on(
     assert "block_service died (signal SIGKILL)" in text
     assert "--journal-dir" in " ".join(child(launcher, "block_service").command)
     record_timing("launcher_restart", **timings)
+
+
+def test_the_gateway_and_block_service_give_way_to_the_runner(launcher: Launcher) -> None:
+    """They run at LaunchConfig.services_nice (all their threads), the runner at 0."""
+    def nice_of_every_thread(name: str) -> set[int]:
+        pid = child(launcher, name).process.pid  # type: ignore[union-attr]
+        return {os.getpriority(os.PRIO_PROCESS, int(tid))
+                for tid in os.listdir(f"/proc/{pid}/task")}
+
+    assert nice_of_every_thread("gateway") == {SERVICES_NICE}
+    assert nice_of_every_thread("block_service") == {SERVICES_NICE}
+    assert nice_of_every_thread("gpu_runner") == {0}
