@@ -274,6 +274,7 @@ class Engine:
     def start(self, timeout_s: float = 300.0) -> BackendInfo:
         """Waits for the runner, creates the pool, opens a session, starts the threads."""
         self.info = self._wait_for_runner(timeout_s)
+        self.scheduler.block_size = self.info.block_size
         self._create_pool(self.info)
         self._open_session()
         self._loop_thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -522,12 +523,12 @@ class Engine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         planning_s = time.perf_counter() - started
-        if plan.is_empty:
-            if not self._in_flight:
-                time.sleep(_NO_PROGRESS_WAIT_S)
-            self._take_in_flight(keep=0)
-            return
         try:
+            if plan.is_empty:
+                if not self._in_flight:
+                    time.sleep(_NO_PROGRESS_WAIT_S)
+                self._take_in_flight(keep=0)
+                return
             response = self._send_step(plan)
             started = time.perf_counter()
             results = parse_step_response(response, plan.num_ops)
@@ -682,6 +683,7 @@ class Engine:
         started = time.monotonic()
         self._drop_in_flight()
         self.info = self._wait_for_runner(self.retry.give_up_s)
+        self.scheduler.block_size = self.info.block_size
         self._create_pool(self.info)
         self._close_session()
         self._open_session()

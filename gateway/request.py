@@ -129,7 +129,8 @@ class Request:
         max_num_tokens = min(len(self.prompt_ids) + self.params.max_tokens, self.max_len)
         seqs = [
             Seq(self.request_id, i, list(self.prompt_ids), len(self.prompt_ids),
-                output_seed(self.params.seed, i), max_num_tokens=max_num_tokens)
+                output_seed(self.params.seed, i), cache_salt=self.cache_salt,
+                max_num_tokens=max_num_tokens)
             for i in range(n)
         ]
         if n > 1 and len(self.prompt_ids) >= 2:

@@ -124,9 +124,12 @@ class StepOutcome:
 class Scheduler:
     """Holds the waiting queue and the running set; plans steps and applies their results."""
 
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int,
+                 block_size: int = 0) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # The runner's block size (0: unknown, no prompt waits for another's first block).
+        self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._pending_frees: list[FreeOp] = []
@@ -253,11 +256,19 @@ class Scheduler:
 
     def _schedule_admissions(self, plan: StepPlan, budget: int) -> None:
         seats = self.max_num_seqs - self.num_running_seqs
+        computing = self._first_blocks_computing()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             need_seats = 1 + len(seq.pending_children)
             if need_seats > seats:
                 break  # FCFS: nobody overtakes the head of the queue
+            key = seq.first_block(self.block_size)
+            if key in computing:
+                # Its prompt starts like one whose first block is being computed and is not
+                # in the prefix cache yet: admitted a step or two later, it reuses it.
+                break
+            if key is not None:
+                computing.add(key)
             self.waiting.popleft()
             seq.block_seq_id = next(self._block_seq_ids)
             # The prefix-cache hit is unknown until the block service answers, so the grant
@@ -368,6 +379,15 @@ class Scheduler:
             outcome.newly_cached.append((seq, result.num_cached_tokens))
         self.running.append(seq)
         admitted.append(grant)
+
+    def _first_blocks_computing(self) -> set[tuple[str, tuple[int, ...]]]:
+        """First blocks of running prompts that are being computed and not yet confirmed:
+        the block service publishes a block once an Execute that computed it has returned,
+        so a prompt admitted meanwhile would compute the same block again."""
+        size = self.block_size
+        return {key for seq in self.running
+                if seq.num_computed < size <= seq.num_scheduled
+                and (key := seq.first_block(size)) is not None}
 
     def _preempt_for(self, no_space: list[Sequence], outcome: StepOutcome) -> set[Sequence]:
         """Preempts running sequences, newest first, until the blocks they hold would cover a

@@ -52,6 +52,7 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     prompt_len: int
     seed: int
+    cache_salt: str = ""  # prefixes are shared only between sequences with the same salt
     status: SeqStatus = SeqStatus.WAITING
     # Children to fork once this sequence's prompt (but its last token) is computed.
     pending_children: list[Sequence] = field(default_factory=list)
@@ -99,6 +100,13 @@ class Sequence:
         if self.pending_children:
             return self.num_tokens - 1
         return self.num_tokens
+
+    def first_block(self, block_size: int) -> tuple[str, tuple[int, ...]] | None:
+        """Its salt and first `block_size` tokens: what its first cached block would hold
+        (None when it has no full block to share)."""
+        if not 0 < block_size < self.num_tokens:
+            return None
+        return self.cache_salt, tuple(self.token_ids[:block_size])
 
     @property
     def is_prefilling(self) -> bool:

@@ -302,3 +302,31 @@ def test_preemption_stops_once_the_victims_blocks_cover_the_decodes_without_spac
     assert scheduler.running == seqs[:2] and outcome.work == []
     plan = scheduler.schedule()
     assert [g.seq for g in plan.appends] == seqs[:2] and len(plan.frees) == 2
+
+
+def test_a_prompt_waits_while_a_prompt_it_starts_like_computes_its_first_block() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8, block_size=BLOCK)
+    a, b = make_seq("a", 10), make_seq("b", 12)  # the same first 10 tokens
+    scheduler.add([a, b])
+    plan = scheduler.schedule()
+    # b would compute a's first block again: it waits (FCFS: so does everyone behind it).
+    assert [g.seq for g in plan.allocates] == [a]
+    in_flight = scheduler.apply_results(plan, ok_results(plan)).work
+    plan = scheduler.schedule()  # a's prefill is running, its blocks not published yet
+    assert plan.allocates == []
+    scheduler.apply_results(plan, decode_results(plan))
+    scheduler.on_executed(in_flight)
+    a.token_ids.append(7)
+    plan = scheduler.schedule()  # a's prefill is confirmed: b reuses its blocks
+    assert [g.seq for g in plan.allocates] == [b]
+
+
+def test_prompts_without_a_full_first_block_in_common_are_admitted_together() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8, block_size=BLOCK)
+    a, b = make_seq("a", 10), make_seq("b", 10)
+    b.token_ids[3] = 999  # differs inside the first block
+    salted = make_seq("t", 10)
+    salted.cache_salt = "tenant-2"  # a's tokens under another salt: nothing to share
+    short = make_seq("s", BLOCK)  # its only block holds its last token: never shared
+    scheduler.add([a, b, salted, short])
+    assert [g.seq for g in scheduler.schedule().allocates] == [a, b, salted, short]
