@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 
 from bench.workloads import BenchRequest
-from gateway.client import PagewireClient
+from gateway.client import build_request
+from protos import gateway_pb2_grpc
 
 
 @dataclass
@@ -62,16 +64,17 @@ class RunSummary:
         return float(np.percentile(values, q)) if values else float("nan")
 
 
-def _stream_one(client: PagewireClient, request: BenchRequest, timing: RequestTiming) -> None:
+async def _stream_one(stub: gateway_pb2_grpc.GenerationServiceStub, request: BenchRequest,
+                      timing: RequestTiming) -> None:
     try:
-        stream = client.generate(
+        call = stub.Generate(build_request(
             token_ids=request.prompt_token_ids,
             max_tokens=request.max_tokens,
             temperature=0.0,
             ignore_eos=True,
             cache_salt=request.cache_salt,
-        )
-        for message in stream:
+        ))
+        async for message in call:
             count = sum(len(output.token_ids) for output in message.outputs)
             if count and not timing.first_token:
                 timing.first_token = time.perf_counter()
@@ -86,23 +89,33 @@ def _stream_one(client: PagewireClient, request: BenchRequest, timing: RequestTi
 def run_workload(
     address: str, requests: Sequence[BenchRequest], progress: object | None = None
 ) -> RunSummary:
-    """Sends every request at its arrival time (0 = at once) on its own stream and waits."""
+    """Sends every request at its arrival time (0 = at once) on its own stream and waits.
+
+    One asyncio loop drives every stream: the load generator shares the CPU with the system
+    under test, and a thread per stream cost the 2-core machine about 2.3 ms of CPU per W1
+    step (a wake-up per message).
+    """
+    return asyncio.run(_run_workload(address, requests, progress))
+
+
+async def _run_workload(address: str, requests: Sequence[BenchRequest],
+                        progress: object | None) -> RunSummary:
     timings: list[RequestTiming] = []
-    threads: list[threading.Thread] = []
-    with PagewireClient(address) as client:
+    streams: list[asyncio.Task[None]] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         start = time.perf_counter()
         for request in requests:
             delay = start + request.arrival_s - time.perf_counter()
             if delay > 0:
-                time.sleep(delay)
+                await asyncio.sleep(delay)
             timing = RequestTiming(sent=time.perf_counter())
             timings.append(timing)
-            thread = threading.Thread(target=_stream_one, args=(client, request, timing))
-            thread.start()
-            threads.append(thread)
-        for thread in threads:
-            thread.join()
+            stream = asyncio.create_task(_stream_one(stub, request, timing))
             if progress is not None:
-                progress.update(1)  # type: ignore[attr-defined]
+                stream.add_done_callback(
+                    lambda _: progress.update(1))  # type: ignore[attr-defined]
+            streams.append(stream)
+        await asyncio.gather(*streams)
         seconds = time.perf_counter() - start
     return RunSummary(seconds, timings)
