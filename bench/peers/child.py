@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,19 @@ def _stop_group(process: subprocess.Popen[str]) -> None:
             continue
 
 
+def _end_leftovers(group: int, wait_s: float = 10.0) -> None:
+    """Kills what a peer that exited left running in its process group (vLLM's engine core
+    can outlive its parent) and waits until it is gone: the next measurement needs the CPU."""
+    deadline = time.monotonic() + wait_s
+    try:
+        os.killpg(group, signal.SIGKILL)
+        while time.monotonic() < deadline:
+            os.killpg(group, 0)  # raises once no process of the group is left
+            time.sleep(0.05)
+    except ProcessLookupError:
+        return
+
+
 def _log_tail(path: Path) -> str:
     text = path.read_text(errors="replace")
     return text[-_LOG_TAIL_CHARS:]
@@ -101,5 +115,6 @@ def run_peer(label: str, command: list[str], requests: list[PeerRequest], timeou
             finally:
                 if process.poll() is None:  # interrupted: leave no peer running
                     _stop_group(process)
+                _end_leftovers(process.pid)
             reader.join(timeout=5)
         return _outcome(process, result, log_path, label)
