@@ -105,9 +105,11 @@ def markdown(row: dict[str, Any]) -> list[str]:
     lines += [f"| {label} | {ms:.2f} |" for label, ms in per_step.items()]
     rest = per_step["runner (its total)"] - per_step["runner: forward"] \
         - per_step["runner: sampling"]
-    transport = per_step["Execute round trip"] - per_step["runner (its total)"]
+    # The Execute round trip also holds the wait behind the step before it (sent while that
+    # one ran): what the runner is not busy with our batches is whole step − runner total.
+    idle = per_step["whole step"] - per_step["runner (its total)"]
     lines += [f"| runner: request decoding, validation, batch building | {rest:.2f} |",
-              f"| Execute transport (round trip − runner total) | {transport:.2f} |",
+              f"| runner not on our batch (whole step − runner total) | {idle:.2f} |",
               "", "CPU seconds used during W1, per process:", "",
               "| process | CPU s |", "|---|---:|"]
     lines += [f"| {name} | {seconds:.2f} |" for name, seconds in row["cpu_s"].items()]

@@ -198,7 +198,6 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
 
     def Execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
                 ) -> runner_pb2.ExecuteResponse:
-        received = time.perf_counter()
         runner = self._loaded(context)
         if request.epoch != runner.epoch:
             context.abort(
@@ -210,13 +209,13 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_step_id needs a client_id")
         try:
             with self._gate.turn(request.client_id, request.step_id, request.after_step_id):
-                return self._execute_in_turn(runner, request, context, received)
+                return self._execute_in_turn(runner, request, context, time.perf_counter())
         except PendingStepError as error:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         raise AssertionError("unreachable: abort raises")
 
     def _execute_in_turn(self, runner: ModelRunner, request: runner_pb2.ExecuteRequest,
-                         context: grpc.ServicerContext, received: float
+                         context: grpc.ServicerContext, turn_started: float
                          ) -> runner_pb2.ExecuteResponse:
         try:
             cached = self._retries.lookup(request.client_id, request.step_id)
@@ -236,14 +235,15 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             # E.g. out of memory in the forward: report it, keep serving.
             log.exception("execute failed")
             context.abort(grpc.StatusCode.INTERNAL, f"execute failed: {error}")
-        answer = to_response(result, runner.epoch, received)
+        answer = to_response(result, runner.epoch, turn_started)
         self._retries.store(request.client_id, request.step_id, answer)
         if self._recorder is not None:
             self._recorder.write(request)
         return answer
 
 
-def to_response(result: ExecuteResult, epoch: int, received: float) -> runner_pb2.ExecuteResponse:
+def to_response(result: ExecuteResult, epoch: int, turn_started: float
+                ) -> runner_pb2.ExecuteResponse:
     """ExecuteResult -> ExecuteResponse (top entries flattened row by row)."""
     response = runner_pb2.ExecuteResponse(
         token_ids=result.token_ids.tolist(),
@@ -260,7 +260,7 @@ def to_response(result: ExecuteResult, epoch: int, received: float) -> runner_pb
             keep = np.arange(width)[None, :] < result.top_counts[:, None]
             response.top_token_ids.extend(result.top_token_ids[keep].tolist())
             response.top_logprobs.extend(result.top_logprobs[keep].tolist())
-    response.total_ms = (time.perf_counter() - received) * 1e3
+    response.total_ms = (time.perf_counter() - turn_started) * 1e3
     return response
 
 
