@@ -202,6 +202,8 @@ def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Pa
     windows = []
     seconds = replay_seconds = client_cpu_s = 0.0
     tokens = 0
+    round_rates: list[float] = []  # pagewire's, then the ceiling's, per round: drift shows
+    ceiling_rates: list[float] = []
     for round_index in range(W1_ROUNDS):
         record_path.write_bytes(b"")  # the ceiling replays this round alone
         # A salt per round: a round must not find the previous one's prompts in the cache.
@@ -213,17 +215,22 @@ def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Pa
         windows.append((before, step_profile.take_snapshot(metrics_port)))
         seconds += w1.seconds
         tokens += w1.output_tokens
+        round_rates.append(w1.tokens_per_s)
         if runner is not None:
             with _progress(f"W1 ceiling (replay), round {round_index + 1}", 1) as bar:
-                replay_seconds += replay(runner, record_path)
+                round_replay_s = replay(runner, record_path)
                 bar.update(1)
+            replay_seconds += round_replay_s
+            ceiling_rates.append(w1.output_tokens / round_replay_s)
         after_round()
     results.set_pagewire("w1_profile", step_profile.profile(windows, seconds, client_cpu_s))
     results.set_pagewire("w1", {"seconds": seconds, "output_tokens": tokens, "rounds": W1_ROUNDS,
-                                "tokens_per_s": tokens / seconds})
+                                "tokens_per_s": tokens / seconds,
+                                "round_tokens_per_s": round_rates})
     if runner is not None:
         results.set_ceiling({"seconds": replay_seconds, "rounds": W1_ROUNDS,
-                             "tokens_per_s": tokens / replay_seconds})
+                             "tokens_per_s": tokens / replay_seconds,
+                             "round_tokens_per_s": ceiling_rates})
 
 
 def run_online(address: str, rates: list[float], duration_s: float,
@@ -327,6 +334,12 @@ def _w1_table(results: dict[str, Any]) -> list[str]:
     if ceiling:
         lines.append(f"| ceiling (runner alone, same batches) | {ceiling['tokens_per_s']:.1f} | "
                      f"{_ratio(w1, ceiling)} (efficiency) |")
+    rounds = [(name, row.get("round_tokens_per_s")) for name, row in
+              (("pagewire", w1_row or {}), ("ceiling", ceiling or {}))]
+    shown = [f"{name} {', '.join(f'{rate:.1f}' for rate in rates)}"
+             for name, rates in rounds if rates]
+    if shown:
+        lines += ["", f"W1 tok/s per round: {'; '.join(shown)}."]
     return lines
 
 
