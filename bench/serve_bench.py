@@ -75,6 +75,10 @@ P99_TTFT_TARGET_S = 2.0
 # W1 and the ceiling alternate this many times (totals over the rounds): this machine's speed
 # drifts by tens of percent over minutes, and one pair of runs can straddle a change.
 W1_ROUNDS = 2
+# Before each W1 round, the machine should be this idle (a window of 0.5 s), for at most
+# QUIET_MAX_S: the round after the peers' ran 15 % slower (14:10 run) than the one before.
+QUIET_IDLE = 0.95
+QUIET_MAX_S = 60.0
 PEER_TIMEOUT_S = 600.0
 STAGES = ("pagewire", "ceiling", "hf-static", "hf-cb", "vllm")
 PEER_NAMES = {"hf-static": "transformers static", "hf-cb": "transformers continuous",
@@ -190,6 +194,30 @@ def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results,
         launcher.stop()
 
 
+def wait_until_quiet(max_s: float = QUIET_MAX_S, window_s: float = 0.5) -> float:
+    """Waits (up to max_s) until the machine's CPUs are QUIET_IDLE idle over a window, and
+    returns the seconds waited: what one engine left running (the kernel reclaiming a peer's
+    memory, a process winding down) must not be billed to the next. Linux /proc/stat only."""
+    def idle_and_total() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    started = time.perf_counter()
+    try:
+        idle, total = idle_and_total()
+        while time.perf_counter() - started < max_s:
+            time.sleep(window_s)
+            new_idle, new_total = idle_and_total()
+            busy_share = 1 - (new_idle - idle) / max(new_total - total, 1)
+            if busy_share <= 1 - QUIET_IDLE:
+                break
+            idle, total = new_idle, new_total
+    except OSError:
+        pass
+    return time.perf_counter() - started
+
+
 def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Path | None,
            results: Results, after_round: Callable[[], None] = lambda: None) -> None:
     """W1 in W1_ROUNDS rounds, each followed by the ceiling's replay of its batches (unless
@@ -223,6 +251,8 @@ def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Pa
             replay_seconds += round_replay_s
             ceiling_rates.append(w1.output_tokens / round_replay_s)
         after_round()
+        waited_s = wait_until_quiet()
+        print(f"W1: waited {waited_s:.1f} s for the machine to settle", file=sys.stderr)
     results.set_pagewire("w1_profile", step_profile.profile(windows, seconds, client_cpu_s))
     results.set_pagewire("w1", {"seconds": seconds, "output_tokens": tokens, "rounds": W1_ROUNDS,
                                 "tokens_per_s": tokens / seconds,
