@@ -351,7 +351,6 @@ class Scheduler:
         seq.block_table[result.table_start:] = result.table_ids
         seq.num_committed = seq.num_computed
         seq.num_registered = grant.register_end
-        seq.reserved = bool(grant.lookahead)
 
     def _apply_allocate(self, grant: Grant, result: OpResult, admitted: list[Grant],
                         unadmitted: list[Sequence], outcome: StepOutcome) -> None:

@@ -59,9 +59,6 @@ class Sequence:
     admit_order: int = -1  # increases with each admission; preemption picks the largest
     block_seq_id: int = 0  # the id of the current allocation in the block service; 0: none
     num_registered: int = 0  # leading tokens the block service holds (values known to it)
-    # The block service also holds position num_registered, whose token it has not been told:
-    # reserved while that token was still being sampled (filled by the next APPEND).
-    reserved: bool = False
     num_computed: int = 0  # leading tokens whose KV the runner has written (confirmed)
     num_scheduled: int = 0  # leading tokens computed or being computed by the Execute in flight
     # Tokens that scheduled Executes will sample and have not returned yet. When a step is
@@ -109,6 +106,14 @@ class Sequence:
         return self.cache_salt, tuple(self.token_ids[:block_size])
 
     @property
+    def reserved(self) -> bool:
+        """Whether the block service also holds position num_registered, whose token it has
+        not been told: scheduled while that token was still being sampled, its APPEND
+        reserved it (the next APPEND fills it in). Nothing else schedules past what the
+        block service knows."""
+        return self.num_scheduled > self.num_registered
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_scheduled < self.num_registered
 
@@ -138,7 +143,6 @@ class Sequence:
         """Back to the state of a sequence that holds no blocks (kept tokens: recompute)."""
         self.block_seq_id = 0
         self.num_registered = 0
-        self.reserved = False
         self.num_computed = 0
         self.num_scheduled = 0
         self.num_pending = 0

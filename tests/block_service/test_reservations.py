@@ -124,6 +124,15 @@ def client(make_core: Callable[..., BlockServiceCore], num_blocks: int = 16) -> 
     return Client(core, session)
 
 
+def three_token_client(make_core: Callable[..., BlockServiceCore], reserved: bool) -> Client:
+    """Sequence 1 allocated with [1, 2, 3], its next position reserved when `reserved`."""
+    c = client(make_core)
+    ok(c.step(allocate(1, [1, 2, 3])))
+    if reserved:
+        ok(c.step(reserve(1)))
+    return c
+
+
 def slot(table: list[int], position: int) -> int:
     return table[position // BS] * BS + position % BS
 
@@ -242,10 +251,7 @@ def test_fill_and_more_tokens_slot_only_the_new_positions(make_core, lookahead):
 ])
 def test_num_computed_never_counts_a_reserved_or_unfilled_position(make_core, reserved, op,
                                                                      status):
-    c = client(make_core)
-    ok(c.step(allocate(1, [1, 2, 3])))
-    if reserved:
-        ok(c.step(reserve(1)))
+    c = three_token_client(make_core, reserved)
     before = pools(c.core)
     result = c.step(op)
     assert result.op_statuses == [status], result.errors
@@ -334,10 +340,7 @@ def test_a_second_reservation_before_the_fill_is_refused(make_core):
 ])
 @pytest.mark.parametrize("reserved", [False, True], ids=["plain", "reserved"])
 def test_lookahead_other_than_0_or_1_or_on_another_kind_is_refused(make_core, op, reserved):
-    c = client(make_core)
-    ok(c.step(allocate(1, [1, 2, 3])))
-    if reserved:
-        ok(c.step(reserve(1)))
+    c = three_token_client(make_core, reserved)
     before = pools(c.core)
     result = c.step(op)
     assert result.op_statuses == [INVALID]
