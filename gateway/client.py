@@ -44,14 +44,15 @@ def finish_reason_name(value: int) -> str:
 
 def build_request(prompt: str | None = None, messages: Iterable[MessageLike] | None = None,
                   token_ids: Sequence[int] | None = None, *, request_id: str = "",
-                  cache_salt: str = "", **params: Any) -> gateway_pb2.GenerateRequest:
+                  cache_salt: str = "", final_only: bool = False,
+                  **params: Any) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest from exactly one of prompt / messages / token_ids and sampling
     parameters by their proto names (max_tokens, temperature, stop, n, seed, ...)."""
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     request = gateway_pb2.GenerateRequest(
-        request_id=request_id, cache_salt=cache_salt,
+        request_id=request_id, cache_salt=cache_salt, final_only=final_only,
         sampling_params=gateway_pb2.SamplingParams(**params),
     )
     if prompt is not None:

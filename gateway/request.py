@@ -1,8 +1,8 @@
 """One Generate request: its sequences, the text each output streams, its usage.
 
 The engine thread feeds sampled tokens in (`add_token`), then calls `flush` once per step to
-put one GenerateResponse on the request's stream queue; the servicer's thread reads the
-queue. Everything else here is only touched by the engine thread.
+put one GenerateResponse on the request's stream queue (with `final_only`, once: at the end);
+the servicer's thread reads the queue. Everything else here is only touched by the engine thread.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingConfig,
                  max_len: int, eos_ids: frozenset[int], decode: DecodeFn,
-                 cache_salt: str = "", public_id: str = "") -> None:
+                 cache_salt: str = "", public_id: str = "", final_only: bool = False) -> None:
         self.request_id = request_id  # unique inside the gateway
         self.public_id = public_id or request_id  # what the client sees
         self.prompt_ids = prompt_ids
@@ -113,6 +113,7 @@ class Request:
         self.max_len = max_len  # longest prompt + output: max_model_len, or what the pool holds
         self.eos_ids = eos_ids
         self.cache_salt = cache_salt
+        self.final_only = final_only  # one message, at the end
         self.sequences = self._make_sequences()
         self.outputs = [
             OutputState(i, decode, prompt_ids, params.stop) for i in range(params.n)
@@ -186,8 +187,10 @@ class Request:
         usage, then the end marker)."""
         if self.closed:
             return
-        deltas = [d for d in (o.take_delta() for o in self.outputs) if d is not None]
         done = self.finished
+        if self.final_only and not done:
+            return  # the outputs keep their progress until the end
+        deltas = [d for d in (o.take_delta() for o in self.outputs) if d is not None]
         if not deltas and not done:
             return
         message = gateway_pb2.GenerateResponse(request_id=self.public_id, outputs=deltas)

@@ -132,6 +132,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             eos_ids=frozenset(self._info.eos_token_ids),
             decode=self._tokenizer.decode,
             cache_salt=request.cache_salt,
+            final_only=request.final_only,
         )
 
     def _prompt_ids(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest

@@ -58,7 +58,7 @@ class GenerationServiceServicer:
 
     def Generate(self, request, context):
         """Streams the outputs of one request: deltas of text and tokens as they are produced, then
-        a last message carrying finish reasons and usage.
+        a last message carrying finish reasons and usage (with final_only, that message alone).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,14 +60,18 @@ def wait_idle(backend: Backend, timeout_s: float = 10.0) -> int:
 
 def test_sixteen_concurrent_streams_equal_transformers(
         gateway_a: GatewayProcess, tokenizer: Tokenizer, backend: Backend) -> None:
+    # Every other request asks for the whole completion in one message.
+    final_only = [i % 2 == 0 for i in range(len(PROMPTS))]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(
-            lambda p: gateway_a.client.complete(p, max_tokens=MAX_TOKENS, temperature=0),
-            PROMPTS))
-    for prompt, result in zip(PROMPTS, results, strict=True):
+            lambda p, f: gateway_a.client.complete(p, max_tokens=MAX_TOKENS, temperature=0,
+                                                   final_only=f),
+            PROMPTS, final_only))
+    for prompt, result, final in zip(PROMPTS, results, final_only, strict=True):
         expected = greedy(tokenizer.encode(prompt), MAX_TOKENS)
         assert result.token_ids[0] == expected, prompt
         assert result.texts[0] == tokenizer.decode(expected)
+        assert (result.num_messages == 1) == final
         assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
         assert result.usage.completion_tokens == len(expected)
     assert gateway_a.metric("pagewire_gateway_batch_sequences_sum") > gateway_a.metric(

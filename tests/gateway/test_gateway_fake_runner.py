@@ -110,6 +110,20 @@ def test_logprobs_are_streamed_per_token(stack: Stack) -> None:
         assert [t.token_id for t in position.top] == [token, token + 1]
 
 
+def test_final_only_sends_the_whole_completion_in_one_message(stack: Stack) -> None:
+    params = dict(token_ids=prompt_of(90, 5), max_tokens=7, temperature=0.9, seed=11, n=2,
+                  logprobs=2, stop_token_ids=[expected_tokens(prompt_of(90, 5), 7,
+                                                              output_seed(11, 1))[4]])
+    streamed = stack.client.complete(**params)
+    final = stack.client.complete(**params, final_only=True)
+    assert streamed.num_messages > 1 and final.num_messages == 1
+    assert final.token_ids == streamed.token_ids
+    assert final.texts == streamed.texts
+    assert final.logprobs == streamed.logprobs
+    assert final.finish_reasons == streamed.finish_reasons == ["length", "stop"]
+    assert final.usage == streamed.usage
+
+
 def test_cancel_frees_the_blocks(stack: Stack) -> None:
     stream = stack.client.generate(token_ids=prompt_of(90, 9), max_tokens=1000, temperature=0)
     next(stream)
