@@ -9,10 +9,13 @@ Workloads (bench/workloads.py, seeded): W1 offline throughput, W2 shared prefix 
 caching on and off, W3 online Poisson arrivals. Peers on W1: transformers static batching,
 transformers continuous batching, vLLM CPU (when `make bench-peers` installed it), and the
 ceiling: pagewire's own runner replaying the very batches of a W1 run in-process. W1 runs in
-W1_ROUNDS rounds, each one pagewire's W1, the ceiling's replay of its batches, then every
-peer's W1 (pagewire's services stay up and idle meanwhile), and every W1 rate is a total over
-the rounds: this machine's speed drifts by tens of percent over minutes, and a ratio should
-compare engines measured under the same conditions, not minutes apart.
+W1_ROUNDS rounds, each one pagewire's W1 twice (offline: every request `final_only`, one
+message with the whole completion, as the peers' offline APIs return it, which is the headline
+row; and streamed: a message per step per request, in swapped order every round), the
+ceiling's replay of the offline run's batches, then every peer's W1 (pagewire's services stay
+up and idle meanwhile), and every W1 rate is a total over the rounds: this machine's speed
+drifts by tens of percent over minutes, and a ratio should compare engines measured under the
+same conditions, not minutes apart.
 
 Each peer runs in its own child process under a time limit (--peer-timeout, model loading
 included): a peer that hangs or crashes is stopped and shows in the table as "timed out after
@@ -44,7 +47,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -218,49 +221,77 @@ def wait_until_quiet(max_s: float = QUIET_MAX_S, window_s: float = 0.5) -> float
     return time.perf_counter() - started
 
 
+@dataclass
+class W1Totals:
+    """One way of running W1, summed over the rounds."""
+
+    seconds: float = 0.0
+    output_tokens: int = 0
+    client_cpu_s: float = 0.0
+    windows: list[tuple[step_profile.Snapshot, step_profile.Snapshot]] = field(
+        default_factory=list)
+    round_rates: list[float] = field(default_factory=list)
+
+    def add(self, address: str, metrics_port: int, label: str,
+            requests: list[BenchRequest]) -> RunSummary:
+        before, cpu_before = step_profile.take_snapshot(metrics_port), time.process_time()
+        summary = _run(address, label, requests)
+        self.client_cpu_s += time.process_time() - cpu_before
+        self.windows.append((before, step_profile.take_snapshot(metrics_port)))
+        self.seconds += summary.seconds
+        self.output_tokens += summary.output_tokens
+        self.round_rates.append(summary.tokens_per_s)
+        return summary
+
+    def row(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "output_tokens": self.output_tokens,
+                "rounds": len(self.round_rates),
+                "tokens_per_s": self.output_tokens / self.seconds,
+                "round_tokens_per_s": self.round_rates}
+
+    def profile(self) -> dict[str, Any]:
+        return step_profile.profile(self.windows, self.seconds, self.client_cpu_s)
+
+
 def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Path | None,
            results: Results, after_round: Callable[[], None] = lambda: None) -> None:
-    """W1 in W1_ROUNDS rounds, each followed by the ceiling's replay of its batches (unless
-    ceiling_model is None), then by `after_round` (the peers' round); rates are totals over
-    the rounds."""
+    """W1 in W1_ROUNDS rounds. Each round runs it twice: as an offline client would (every
+    request `final_only`, like the peers' offline APIs: the headline row) and streamed (a
+    message per step per request); the ceiling replays the batches of the first, then
+    `after_round` runs (the peers' round). The two ways swap order every round, and every
+    rate is a total over the rounds."""
     runner = None
     if ceiling_model is not None:
         runner = ModelRunner(RunnerOptions(model=str(ceiling_model), block_size=BLOCK_SIZE,
                                            kv_cache_memory=KV_CACHE_BYTES))
-    windows = []
-    seconds = replay_seconds = client_cpu_s = 0.0
-    tokens = 0
-    round_rates: list[float] = []  # pagewire's, then the ceiling's, per round: drift shows
-    ceiling_rates: list[float] = []
+    offline, streamed, ceiling = W1Totals(), W1Totals(), W1Totals()
     for round_index in range(W1_ROUNDS):
-        record_path.write_bytes(b"")  # the ceiling replays this round alone
-        # A salt per round: a round must not find the previous one's prompts in the cache.
-        requests = [replace(r, cache_salt=f"w1-round-{round_index}")
-                    for r in workloads.offline_throughput()]
-        before, cpu_before = step_profile.take_snapshot(metrics_port), time.process_time()
-        w1 = _run(address, f"W1 pagewire, round {round_index + 1}/{W1_ROUNDS}", requests)
-        client_cpu_s += time.process_time() - cpu_before
-        windows.append((before, step_profile.take_snapshot(metrics_port)))
-        seconds += w1.seconds
-        tokens += w1.output_tokens
-        round_rates.append(w1.tokens_per_s)
-        if runner is not None:
-            with _progress(f"W1 ceiling (replay), round {round_index + 1}", 1) as bar:
-                round_replay_s = replay(runner, record_path)
-                bar.update(1)
-            replay_seconds += round_replay_s
-            ceiling_rates.append(w1.output_tokens / round_replay_s)
-        after_round()
         waited_s = wait_until_quiet()
         print(f"W1: waited {waited_s:.1f} s for the machine to settle", file=sys.stderr)
-    results.set_pagewire("w1_profile", step_profile.profile(windows, seconds, client_cpu_s))
-    results.set_pagewire("w1", {"seconds": seconds, "output_tokens": tokens, "rounds": W1_ROUNDS,
-                                "tokens_per_s": tokens / seconds,
-                                "round_tokens_per_s": round_rates})
+        for final_only in (True, False) if round_index % 2 == 0 else (False, True):
+            record_path.write_bytes(b"")  # the ceiling replays one run alone
+            # A salt per run: a run must not find an earlier one's prompts in the cache.
+            requests = [replace(r, cache_salt=f"w1-{round_index}-{final_only}",
+                                final_only=final_only)
+                        for r in workloads.offline_throughput()]
+            how = "offline" if final_only else "streamed"
+            label = f"W1 pagewire {how}, round {round_index + 1}/{W1_ROUNDS}"
+            run = (offline if final_only else streamed).add(address, metrics_port, label,
+                                                            requests)
+            if final_only and runner is not None:
+                with _progress(f"W1 ceiling (replay), round {round_index + 1}", 1) as bar:
+                    replay_s = replay(runner, record_path)
+                    bar.update(1)
+                ceiling.seconds += replay_s
+                ceiling.output_tokens += run.output_tokens
+                ceiling.round_rates.append(run.output_tokens / replay_s)
+        after_round()
+    results.set_pagewire("w1_profile", offline.profile())
+    results.set_pagewire("w1_streamed_profile", streamed.profile())
+    results.set_pagewire("w1", offline.row())
+    results.set_pagewire("w1_streamed", streamed.row())
     if runner is not None:
-        results.set_ceiling({"seconds": replay_seconds, "rounds": W1_ROUNDS,
-                             "tokens_per_s": tokens / replay_seconds,
-                             "round_tokens_per_s": ceiling_rates})
+        results.set_ceiling(ceiling.row())
 
 
 def run_online(address: str, rates: list[float], duration_s: float,
@@ -351,21 +382,32 @@ def _ratio(numerator: float | None, row: dict[str, Any]) -> str:
 
 
 def _w1_table(results: dict[str, Any]) -> list[str]:
-    w1_row = results.get("pagewire", {}).get("w1")
+    pagewire = results.get("pagewire", {})
+    w1_row, streamed_row = pagewire.get("w1"), pagewire.get("w1_streamed")
     w1 = w1_row["tokens_per_s"] if w1_row else None
-    lines = ["| W1 offline throughput (32 requests) | output tok/s | pagewire ÷ peer |",
+    lines = ["| W1 offline throughput (32 requests) | output tok/s | pagewire ÷ row |",
              "|---|---:|---:|",
-             f"| **pagewire** (3 services, gRPC) | {'—' if w1 is None else f'{w1:.1f}'} | "
-             f"{'—' if w1 is None else '1.00'} |"]
-    for name, row in _peers_in_order(results):
+             "| **pagewire** (3 services, gRPC), offline: each request `final_only` | "
+             f"{'—' if w1 is None else f'{w1:.1f}'} | {'—' if w1 is None else '1.00'} |"]
+    if streamed_row:
+        lines.append("| pagewire streamed: a message per step per request | "
+                     f"{streamed_row['tokens_per_s']:.1f} | {_ratio(w1, streamed_row)} |")
+    peers = _peers_in_order(results)
+    for name, row in peers:
         measured = f"{row['tokens_per_s']:.1f}" if "tokens_per_s" in row else row["status"]
         lines.append(f"| {name} | {measured} | {_ratio(w1, row)} |")
     ceiling = results.get("ceiling")
     if ceiling:
         lines.append(f"| ceiling (runner alone, same batches) | {ceiling['tokens_per_s']:.1f} | "
                      f"{_ratio(w1, ceiling)} (efficiency) |")
+    if streamed_row:
+        rate = streamed_row["tokens_per_s"]
+        shown = [f"{name} {_ratio(rate, row)}" for name, row in
+                 [*peers, ("ceiling", ceiling or {})] if "tokens_per_s" in row]
+        lines += ["", f"pagewire streamed ÷ row: {', '.join(shown)}."]
     rounds = [(name, row.get("round_tokens_per_s")) for name, row in
-              (("pagewire", w1_row or {}), ("ceiling", ceiling or {}))]
+              (("pagewire", w1_row or {}), ("streamed", streamed_row or {}),
+               ("ceiling", ceiling or {}))]
     shown = [f"{name} {', '.join(f'{rate:.1f}' for rate in rates)}"
              for name, rates in rounds if rates]
     if shown:
@@ -426,8 +468,11 @@ def markdown(results: dict[str, Any]) -> str:
     lines = _w1_table(results) + _w2_table(pagewire)
     if "w3" in pagewire:
         lines += _w3_table(pagewire["w3"])
-    if "w1_profile" in pagewire:
-        lines += step_profile.markdown(pagewire["w1_profile"])
+    profiles = {name: pagewire[key] for key, name in
+                (("w1_profile", "offline"), ("w1_streamed_profile", "streamed"))
+                if key in pagewire}
+    if profiles:
+        lines += step_profile.markdown(profiles)
     lines += _settings_notes(results)
     return "\n".join(lines) + "\n"
 
@@ -439,8 +484,9 @@ def chart(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     bars: list[tuple[str, float]] = []
-    if "w1" in results.get("pagewire", {}):
-        bars.append(("pagewire", results["pagewire"]["w1"]["tokens_per_s"]))
+    pagewire = results.get("pagewire", {})
+    bars += [(name, pagewire[key]["tokens_per_s"]) for key, name in
+             (("w1", "pagewire"), ("w1_streamed", "pagewire streamed")) if key in pagewire]
     bars += [(name, row["tokens_per_s"]) for name, row in _peers_in_order(results)
              if "tokens_per_s" in row]
     if results.get("ceiling"):

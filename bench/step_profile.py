@@ -96,21 +96,31 @@ def profile(windows: Sequence[tuple[Snapshot, Snapshot]], wall_s: float, bench_c
     return {"steps": steps, "wall_s": wall_s, "per_step_ms": per_step_ms, "cpu_s": cpu_s}
 
 
-def markdown(row: dict[str, Any]) -> list[str]:
-    per_step = row["per_step_ms"]
-    lines = ["", f"Step-loop profile of W1 ({row['steps']:.0f} steps in {row['wall_s']:.1f} s "
-             "over its rounds; "
-             "the gateway's metrics, mean ms per step):", "",
-             "| part | ms per step |", "|---|---:|"]
-    lines += [f"| {label} | {ms:.2f} |" for label, ms in per_step.items()]
-    rest = per_step["runner (its total)"] - per_step["runner: forward"] \
-        - per_step["runner: sampling"]
-    # The Execute round trip also holds the wait behind the step before it (sent while that
-    # one ran): what the runner is not busy with our batches is whole step − runner total.
-    idle = per_step["whole step"] - per_step["runner (its total)"]
-    lines += [f"| runner: request decoding, validation, batch building | {rest:.2f} |",
-              f"| runner not on our batch (whole step − runner total) | {idle:.2f} |",
-              "", "CPU seconds used during W1, per process:", "",
-              "| process | CPU s |", "|---|---:|"]
-    lines += [f"| {name} | {seconds:.2f} |" for name, seconds in row["cpu_s"].items()]
+def markdown(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The profiles of several ways of running W1 (name -> profile), a column each."""
+    names = list(rows)
+    per_step = {name: dict(row["per_step_ms"]) for name, row in rows.items()}
+    for values in per_step.values():
+        values["runner: request decoding, validation, batch building"] = (
+            values["runner (its total)"] - values["runner: forward"]
+            - values["runner: sampling"])
+        # The Execute round trip also holds the wait behind the step before it (sent while
+        # that one ran): what the runner is not busy with our batches is whole step − total.
+        values["runner not on our batch (whole step − runner total)"] = (
+            values["whole step"] - values["runner (its total)"])
+    steps = ", ".join(f"{name}: {row['steps']:.0f} steps in {row['wall_s']:.1f} s"
+                      for name, row in rows.items())
+    columns = " | ".join(names)
+    rule = "|---|" + "---:|" * len(names)
+    lines = ["", f"Step-loop profile of W1 over its rounds ({steps}; the gateway's metrics, "
+             "mean ms per step):", "", f"| part | {columns} |", rule]
+    for label in per_step[names[0]]:
+        lines.append(f"| {label} | "
+                     + " | ".join(f"{per_step[name][label]:.2f}" for name in names) + " |")
+    lines += ["", "CPU seconds used during W1, per process:", "", f"| process | {columns} |",
+              rule]
+    for process in rows[names[0]]["cpu_s"]:
+        lines.append(f"| {process} | "
+                     + " | ".join(f"{rows[name]['cpu_s'][process]:.2f}" for name in names)
+                     + " |")
     return lines

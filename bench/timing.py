@@ -73,6 +73,7 @@ async def _stream_one(stub: gateway_pb2_grpc.GenerationServiceStub, request: Ben
             temperature=0.0,
             ignore_eos=True,
             cache_salt=request.cache_salt,
+            final_only=request.final_only,
         ))
         async for message in call:
             count = sum(len(output.token_ids) for output in message.outputs)

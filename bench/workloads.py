@@ -17,6 +17,7 @@ class BenchRequest:
     max_tokens: int
     arrival_s: float = 0.0
     cache_salt: str = ""
+    final_only: bool = False  # the whole completion in one message (no time to first token)
 
 
 def _tokens(rng: random.Random, count: int) -> list[int]:

@@ -48,3 +48,10 @@ def test_a_failing_request_is_reported_not_raised(stack: Stack) -> None:
     requests = [BenchRequest([], max_tokens=3)]  # no prompt: INVALID_ARGUMENT
     summary = run_workload(f"127.0.0.1:{stack.gateway.service.port}", requests)
     assert summary.errors == 1 and "INVALID_ARGUMENT" in summary.timings[0].error
+
+
+def test_a_final_only_request_counts_its_tokens_from_one_message(stack: Stack) -> None:
+    requests = [BenchRequest([400, 401], max_tokens=6, final_only=True)]
+    summary = run_workload(f"127.0.0.1:{stack.gateway.service.port}", requests)
+    timing = summary.timings[0]
+    assert summary.errors == 0 and timing.output_tokens == 6
