@@ -76,8 +76,9 @@ MAX_BATCHED_TOKENS = 2048
 MAX_NUM_SEQS = 256
 P99_TTFT_TARGET_S = 2.0
 # W1 and the ceiling alternate this many times (totals over the rounds): this machine's speed
-# drifts by tens of percent over minutes, and one pair of runs can straddle a change.
-W1_ROUNDS = 2
+# drifts by tens of percent over minutes, and one pair of runs can straddle a change (single
+# rounds' efficiency ranged 0.85-0.96 in one afternoon).
+W1_ROUNDS = 3
 # Before each W1 round, the machine should be this idle (a window of 0.5 s), for at most
 # QUIET_MAX_S: the round after the peers' ran 15 % slower (14:10 run) than the one before.
 QUIET_IDLE = 0.95
@@ -182,7 +183,9 @@ def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results,
     try:
         launcher.start()
         address = launcher.gateway_address
-        _run(address, "warm-up", workloads.offline_throughput(4, seed=99))
+        # W1's size, other prompts: the gateway's server starts a thread per concurrent stream
+        # the first time it sees that many (the first W1 round used ~50 % more gateway CPU).
+        _run(address, "warm-up", workloads.offline_throughput(seed=99))
         run_w1(address, metrics_port, record_path, model_dir if "ceiling" in args.stages else None,
                results, peers.run_round)
         shared = workloads.shared_prefix()
