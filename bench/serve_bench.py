@@ -11,11 +11,11 @@ transformers continuous batching, vLLM CPU (when `make bench-peers` installed it
 ceiling: pagewire's own runner replaying the very batches of a W1 run in-process. W1 runs in
 W1_ROUNDS rounds, each one pagewire's W1 twice (offline: every request `final_only`, one
 message with the whole completion, as the peers' offline APIs return it, which is the headline
-row; and streamed: a message per step per request, in swapped order every round), the
-ceiling's replay of the offline run's batches, then every peer's W1 (pagewire's services stay
-up and idle meanwhile), and every W1 rate is a total over the rounds: this machine's speed
-drifts by tens of percent over minutes, and a ratio should compare engines measured under the
-same conditions, not minutes apart.
+row; and streamed: a message per step per request; in swapped order every round), the
+ceiling's replay of the offline run's batches right after that run, then every peer's W1
+(pagewire's services stay up and idle meanwhile), and every W1 rate is a total over the rounds:
+this machine's speed drifts by tens of percent over minutes, and a ratio should compare engines
+measured under the same conditions, not minutes apart.
 
 Each peer runs in its own child process under a time limit (--peer-timeout, model loading
 included): a peer that hangs or crashes is stopped and shows in the table as "timed out after
@@ -77,9 +77,10 @@ MAX_NUM_SEQS = 256
 P99_TTFT_TARGET_S = 2.0
 # W1 and the ceiling alternate this many times (totals over the rounds): this machine's speed
 # drifts by tens of percent over minutes, and one pair of runs can straddle a change (single
-# rounds' efficiency ranged 0.85-0.96 in one afternoon).
-W1_ROUNDS = 3
-# Before each W1 round, the machine should be this idle (a window of 0.5 s), for at most
+# rounds' efficiency ranged 0.85-0.96 in one afternoon). Even: the offline and streamed runs
+# take turns going first.
+W1_ROUNDS = 4
+# Before each W1 run, the machine should be this idle (a window of 0.5 s), for at most
 # QUIET_MAX_S: the round after the peers' ran 15 % slower (14:10 run) than the one before.
 QUIET_IDLE = 0.95
 QUIET_MAX_S = 60.0
@@ -241,10 +242,13 @@ class W1Totals:
         summary = _run(address, label, requests)
         self.client_cpu_s += time.process_time() - cpu_before
         self.windows.append((before, step_profile.take_snapshot(metrics_port)))
-        self.seconds += summary.seconds
-        self.output_tokens += summary.output_tokens
-        self.round_rates.append(summary.tokens_per_s)
+        self.add_round(summary.seconds, summary.output_tokens)
         return summary
+
+    def add_round(self, seconds: float, output_tokens: int) -> None:
+        self.seconds += seconds
+        self.output_tokens += output_tokens
+        self.round_rates.append(output_tokens / seconds)
 
     def row(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "output_tokens": self.output_tokens,
@@ -256,22 +260,27 @@ class W1Totals:
         return step_profile.profile(self.windows, self.seconds, self.client_cpu_s)
 
 
+def settle() -> None:
+    waited_s = wait_until_quiet()
+    print(f"waited {waited_s:.1f} s for the machine to settle", file=sys.stderr)
+
+
 def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Path | None,
            results: Results, after_round: Callable[[], None] = lambda: None) -> None:
     """W1 in W1_ROUNDS rounds. Each round runs it twice: as an offline client would (every
     request `final_only`, like the peers' offline APIs: the headline row) and streamed (a
-    message per step per request); the ceiling replays the batches of the first, then
-    `after_round` runs (the peers' round). The two ways swap order every round, and every
-    rate is a total over the rounds."""
+    message per step per request), each after the machine has settled; the ceiling replays
+    the offline run's batches right after it; then `after_round` runs (the peers' round). The
+    two ways swap order every round (each goes first in half of them: W1_ROUNDS is even), and
+    every rate is a total over the rounds."""
     runner = None
     if ceiling_model is not None:
         runner = ModelRunner(RunnerOptions(model=str(ceiling_model), block_size=BLOCK_SIZE,
                                            kv_cache_memory=KV_CACHE_BYTES))
     offline, streamed, ceiling = W1Totals(), W1Totals(), W1Totals()
     for round_index in range(W1_ROUNDS):
-        waited_s = wait_until_quiet()
-        print(f"W1: waited {waited_s:.1f} s for the machine to settle", file=sys.stderr)
         for final_only in (True, False) if round_index % 2 == 0 else (False, True):
+            settle()
             record_path.write_bytes(b"")  # the ceiling replays one run alone
             # A salt per run: a run must not find an earlier one's prompts in the cache.
             requests = [replace(r, cache_salt=f"w1-{round_index}-{final_only}",
@@ -285,10 +294,9 @@ def run_w1(address: str, metrics_port: int, record_path: Path, ceiling_model: Pa
                 with _progress(f"W1 ceiling (replay), round {round_index + 1}", 1) as bar:
                     replay_s = replay(runner, record_path)
                     bar.update(1)
-                ceiling.seconds += replay_s
-                ceiling.output_tokens += run.output_tokens
-                ceiling.round_rates.append(run.output_tokens / replay_s)
+                ceiling.add_round(replay_s, run.output_tokens)
         after_round()
+    settle()  # before what comes next: the peers' round has just ended
     results.set_pagewire("w1_profile", offline.profile())
     results.set_pagewire("w1_streamed_profile", streamed.profile())
     results.set_pagewire("w1", offline.row())

@@ -17,11 +17,13 @@ from protos import gateway_pb2_grpc
 
 @dataclass
 class RequestTiming:
-    """When one request was sent, got its first token, and ended (perf_counter seconds)."""
+    """When one request was sent, got its first token, and ended (perf_counter seconds). A
+    final_only request's first token comes with its last: its ttft and tpot say nothing."""
 
     sent: float
     first_token: float = 0.0
     done: float = 0.0
+    messages: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
@@ -76,6 +78,7 @@ async def _stream_one(stub: gateway_pb2_grpc.GenerationServiceStub, request: Ben
             final_only=request.final_only,
         ))
         async for message in call:
+            timing.messages += 1
             count = sum(len(output.token_ids) for output in message.outputs)
             if count and not timing.first_token:
                 timing.first_token = time.perf_counter()

@@ -103,11 +103,12 @@ class PagewireClient:
     def generate(self, prompt: str | None = None,
                  messages: Iterable[MessageLike] | None = None,
                  token_ids: Sequence[int] | None = None, *, timeout: float | None = None,
-                 request_id: str = "", cache_salt: str = "", **params: Any
-                 ) -> Iterator[gateway_pb2.GenerateResponse]:
-        """The stream of deltas (cancel it with .cancel() on the returned iterator)."""
+                 request_id: str = "", cache_salt: str = "", final_only: bool = False,
+                 **params: Any) -> Iterator[gateway_pb2.GenerateResponse]:
+        """The stream of deltas (cancel it with .cancel() on the returned iterator); with
+        `final_only`, one message with the whole completion when it ends."""
         request = build_request(prompt, messages, token_ids, request_id=request_id,
-                                cache_salt=cache_salt, **params)
+                                cache_salt=cache_salt, final_only=final_only, **params)
         return self.stub.Generate(request, timeout=timeout)  # type: ignore[no-any-return]
 
     def complete(self, prompt: str | None = None,

@@ -1,8 +1,9 @@
 """One Generate request: its sequences, the text each output streams, its usage.
 
 The engine thread feeds sampled tokens in (`add_token`), then calls `flush` once per step to
-put one GenerateResponse on the request's stream queue (with `final_only`, once: at the end);
-the servicer's thread reads the queue. Everything else here is only touched by the engine thread.
+put one GenerateResponse on the request's stream queue (with `final_only`, at the end only, or
+in parts of about FINAL_ONLY_PART_BYTES); the servicer's thread reads the queue. Everything
+else here is only touched by the engine thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from protos import gateway_pb2
 STOP = gateway_pb2.FINISH_REASON_STOP
 LENGTH = gateway_pb2.FINISH_REASON_LENGTH
 ABORT = gateway_pb2.FINISH_REASON_ABORT
+
+# A final_only request's outputs are sent early, as a part, once what they hold may reach this
+# many bytes: the whole completion of a long request (with n outputs and logprobs) can pass
+# gRPC's message limit (4 MiB by default on both sides).
+FINAL_ONLY_PART_BYTES = 1 << 20
+# Upper bounds of the encoded size, for that estimate: a token id; one TokenLogprob.
+_TOKEN_ID_BYTES = 5
+_TOKEN_LOGPROB_BYTES = 16
 
 # Seeds of the n outputs are spread by the 64-bit golden ratio so that neighbouring request
 # seeds do not give overlapping output seeds.
@@ -58,9 +67,10 @@ class OutputState:
         self.detokenizer = IncrementalDetokenizer(decode, prompt_ids)
         self.stop_matcher = StopStringMatcher(stop)
         self.finish_reason: gateway_pb2.FinishReason = gateway_pb2.FINISH_REASON_UNSPECIFIED
-        self.pending_text = ""
+        self.pending_text: list[str] = []  # pieces: joined once, when taken
         self.pending_ids: list[int] = []
         self.pending_logprobs: list[gateway_pb2.PositionLogprobs] = []
+        self.held_bytes = 0  # an upper bound of the pending progress's encoded size
         self.reported_finish = False
 
     @property
@@ -68,7 +78,19 @@ class OutputState:
         return self.finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
 
     def add_text(self, text: str) -> None:
-        self.pending_text += self.stop_matcher.add(text)
+        self._hold_text(self.stop_matcher.add(text))
+
+    def _hold_text(self, text: str) -> None:
+        if text:
+            self.pending_text.append(text)
+            self.held_bytes += 4 * len(text)  # UTF-8: at most 4 bytes a character
+
+    def add_token(self, token_id: int, logprobs: gateway_pb2.PositionLogprobs | None) -> None:
+        self.pending_ids.append(token_id)
+        self.held_bytes += _TOKEN_ID_BYTES
+        if logprobs is not None:
+            self.pending_logprobs.append(logprobs)
+            self.held_bytes += _TOKEN_LOGPROB_BYTES * (1 + len(logprobs.top))
 
     def finish(self, reason: gateway_pb2.FinishReason) -> None:
         """Ends the output; complete text still held (no stop string matched) is released."""
@@ -77,7 +99,7 @@ class OutputState:
         if reason != ABORT:
             self.add_text(self.detokenizer.flush())
             if not self.stop_matcher.stopped:
-                self.pending_text += self.stop_matcher.flush()
+                self._hold_text(self.stop_matcher.flush())
         self.finish_reason = reason
 
     def take_delta(self) -> gateway_pb2.CompletionOutput | None:
@@ -87,15 +109,16 @@ class OutputState:
             return None
         delta = gateway_pb2.CompletionOutput(
             index=self.index,
-            text=self.pending_text,
+            text="".join(self.pending_text),
             token_ids=self.pending_ids,
             logprobs=self.pending_logprobs,
             finish_reason=(self.finish_reason if finishing
                            else gateway_pb2.FINISH_REASON_UNSPECIFIED),
         )
-        self.pending_text = ""
+        self.pending_text = []
         self.pending_ids = []
         self.pending_logprobs = []
+        self.held_bytes = 0
         self.reported_finish = self.reported_finish or finishing
         return delta
 
@@ -155,9 +178,10 @@ class Request:
         """Appends a sampled token to `seq` and its output; True when the output ended."""
         output = self.outputs[seq.index]
         seq.token_ids.append(token_id)
-        output.pending_ids.append(token_id)
+        position = None
         if logprobs is not None and self.params.logprobs is not None:
-            output.pending_logprobs.append(_position_logprobs(token_id, logprobs))
+            position = _position_logprobs(token_id, logprobs)
+        output.add_token(token_id, position)
         params = self.params
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in self.eos_ids
@@ -184,12 +208,14 @@ class Request:
 
     def flush(self) -> None:
         """Puts one message with every output's progress on the stream (the last one with
-        usage, then the end marker)."""
+        usage, then the end marker); with final_only, nothing until the request ends, unless
+        what the outputs hold may reach FINAL_ONLY_PART_BYTES."""
         if self.closed:
             return
         done = self.finished
-        if self.final_only and not done:
-            return  # the outputs keep their progress until the end
+        if self.final_only and not done and sum(
+                output.held_bytes for output in self.outputs) < FINAL_ONLY_PART_BYTES:
+            return
         deltas = [d for d in (o.take_delta() for o in self.outputs) if d is not None]
         if not deltas and not done:
             return

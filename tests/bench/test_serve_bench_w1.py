@@ -1,5 +1,6 @@
 """serve_bench's W1: the offline (final_only) and streamed runs swap order every round, the
-ceiling replays the offline runs' batches only, and the table's ratios are the totals'."""
+ceiling replays the offline runs' batches only, the machine settles before every run and after
+the last round, and the table's ratios are the totals'."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from bench import serve_bench, step_profile
 from bench.timing import RequestTiming, RunSummary
+from bench.workloads import BenchRequest
 
 
 @pytest.fixture
@@ -22,17 +24,23 @@ def test_offline_and_streamed_runs_alternate_and_the_ceiling_replays_offline_run
     runs: list[tuple[str, bool]] = []
     events: list[str] = []
 
-    def fake_run(address, label, requests, allow_errors=False):  # type: ignore[no-untyped-def]
+    record_path = tmp_path / "rec"
+
+    def fake_run(address: str, label: str, requests: list[BenchRequest],
+                 allow_errors: bool = False) -> RunSummary:
         final_only = {r.final_only for r in requests}
         assert len(final_only) == 1
         assert len({r.cache_salt for r in requests}) == 1
         runs.append((requests[0].cache_salt, final_only.pop()))
         events.append("offline" if runs[-1][1] else "streamed")
+        with open(record_path, "a") as record:  # what the runner records
+            record.write(events[-1])
         # 100 tokens: offline runs take 1 s, streamed ones 2 s.
         return RunSummary(1.0 if runs[-1][1] else 2.0,
                           [RequestTiming(sent=0.0, output_tokens=100)])
 
-    def fake_replay(runner, path):  # type: ignore[no-untyped-def]
+    def fake_replay(runner: object, path: Path) -> float:
+        assert path.read_text() == "offline"  # that run's batches alone
         events.append("replay")
         return 0.5
 
@@ -40,15 +48,15 @@ def test_offline_and_streamed_runs_alternate_and_the_ceiling_replays_offline_run
     monkeypatch.setattr(serve_bench, "_run", fake_run)
     monkeypatch.setattr(serve_bench, "replay", fake_replay)
     monkeypatch.setattr(serve_bench, "ModelRunner", lambda options: object())
-    monkeypatch.setattr(serve_bench, "wait_until_quiet", lambda: 0.0)
+    monkeypatch.setattr(serve_bench, "wait_until_quiet", lambda: events.append("settle") or 0.0)
     monkeypatch.setattr(step_profile, "take_snapshot", lambda port: empty)
     monkeypatch.setattr(serve_bench, "W1_ROUNDS", 2)
     results.start_pagewire()
-    serve_bench.run_w1("addr", 0, tmp_path / "rec", Path("model"), results,
+    serve_bench.run_w1("addr", 0, record_path, Path("model"), results,
                        after_round=lambda: events.append("peers"))
 
-    assert events == ["offline", "replay", "streamed", "peers",
-                      "streamed", "offline", "replay", "peers"]
+    assert events == ["settle", "offline", "replay", "settle", "streamed", "peers",
+                      "settle", "streamed", "settle", "offline", "replay", "peers", "settle"]
     assert len({salt for salt, _ in runs}) == 4  # no run reuses another's cached prompts
     pagewire = results.data["pagewire"]
     assert pagewire["w1"]["tokens_per_s"] == pytest.approx(100.0)

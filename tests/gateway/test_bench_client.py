@@ -36,6 +36,7 @@ def test_every_request_is_timed_and_streams_all_its_tokens(stack: Stack) -> None
     summary = run_workload(f"127.0.0.1:{stack.gateway.service.port}", requests, progress)
     assert summary.errors == 0 and progress.done == 4
     assert [t.output_tokens for t in summary.timings] == [4, 5, 6, 7]
+    assert [t.messages for t in summary.timings] == [4, 5, 6, 7]  # a message per token
     assert summary.output_tokens == 22
     for request, timing in zip(requests, summary.timings, strict=True):
         # Sent at its arrival time (not all at once), first token before the end.
@@ -54,4 +55,4 @@ def test_a_final_only_request_counts_its_tokens_from_one_message(stack: Stack) -
     requests = [BenchRequest([400, 401], max_tokens=6, final_only=True)]
     summary = run_workload(f"127.0.0.1:{stack.gateway.service.port}", requests)
     timing = summary.timings[0]
-    assert summary.errors == 0 and timing.output_tokens == 6
+    assert summary.errors == 0 and timing.output_tokens == 6 and timing.messages == 1
