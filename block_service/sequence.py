@@ -38,7 +38,7 @@ class Sequence:
     @property
     def num_known(self) -> int:
         """Tokens whose values are known (all but a reserved last position)."""
-        return len(self.tokens) - (self.tokens[-1] == RESERVED)
+        return len(self.tokens) - self.reserved
 
     def fork(self) -> Sequence:
         """A child with the same tokens and blocks (the caller adds the block references)."""
