@@ -1,10 +1,12 @@
-"""Runs one peer in a child process with a time limit, so a hung or crashing peer can neither
-hang nor kill the benchmark (see bench/peers/protocol.py for what the child does)."""
+"""One peer in a child process that lives for the whole benchmark (see bench/peers/protocol.py
+for what the child does), under a time limit per run, so a hung or crashing peer can neither
+hang nor kill the benchmark."""
 
 from __future__ import annotations
 
-import json
 import os
+import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,10 +20,18 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from bench.peers.protocol import PeerRequest, parse_progress, write_workload
+from bench.peers.protocol import (
+    DONE,
+    PeerRequest,
+    parse_progress,
+    read_result,
+    run_command,
+    write_workload,
+)
 
 _LOG_TAIL_CHARS = 3000
 _TERMINATE_GRACE_S = 10.0
+_CLOSE_WAIT_S = 30.0
 
 
 @dataclass
@@ -29,26 +39,13 @@ class PeerOutcome:
     """What one peer run gave: a measurement, or why there is none (`status`)."""
 
     seconds: float = 0.0
-    output_tokens: int = 0
+    output_tokens: list[int] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     status: str = ""
 
-    def as_row(self) -> dict[str, Any]:
-        if self.status:
-            return {"status": self.status}
-        return {"seconds": self.seconds, "output_tokens": self.output_tokens,
-                "tokens_per_s": self.output_tokens / self.seconds, "settings": self.settings}
-
-
-def _follow_progress(stream: IO[str], bar: tqdm) -> None:
-    for line in stream:
-        finished = parse_progress(line.strip())
-        if finished is not None and finished > bar.n:
-            bar.update(finished - bar.n)
-
 
 def _stop_group(process: subprocess.Popen[str]) -> None:
-    """Ends the child and everything it started (vLLM runs an engine and a worker process)."""
+    """Ends the child and everything it started (vLLM runs an engine core process)."""
     for sig, wait_s in ((signal.SIGTERM, _TERMINATE_GRACE_S), (signal.SIGKILL, None)):
         try:
             os.killpg(process.pid, sig)
@@ -74,47 +71,83 @@ def _end_leftovers(group: int, wait_s: float = 10.0) -> None:
         return
 
 
-def _log_tail(path: Path) -> str:
-    text = path.read_text(errors="replace")
-    return text[-_LOG_TAIL_CHARS:]
+class PeerProcess:
+    """A peer started once (`command MODEL_DIR` style, see protocol.py) and asked for one run
+    at a time. A run that fails or passes its time limit ends the process: the peer is then
+    `failed` for good and every later run answers with that status at once."""
 
+    def __init__(self, command: list[str], env: Mapping[str, str] | None = None) -> None:
+        self._folder = Path(tempfile.mkdtemp(prefix="pagewire-peer-"))
+        self._log_path = self._folder / "peer.log"
+        self._log = open(self._log_path, "w")  # noqa: SIM115 (the child writes it until close)
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            text=True, env=None if env is None else dict(env), start_new_session=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True).start()
+        self.failed = ""
+        self._runs = 0
 
-def _outcome(process: subprocess.Popen[str], result_path: Path, log_path: Path,
-             label: str) -> PeerOutcome:
-    if process.returncode != 0 or not result_path.exists():
-        print(f"{label} failed (exit code {process.returncode}); the end of its log:\n"
-              f"{_log_tail(log_path)}", file=sys.stderr)
-        return PeerOutcome(status=f"failed (exit code {process.returncode})")
-    measured = json.loads(result_path.read_text())
-    return PeerOutcome(float(measured["seconds"]), int(measured["output_tokens"]),
-                       dict(measured.get("settings", {})))
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._lines.put(line.strip())
+        self._lines.put(None)  # the child closed stdout: it exited
 
-
-def run_peer(label: str, command: list[str], requests: list[PeerRequest], timeout_s: float,
-             env: Mapping[str, str] | None = None) -> PeerOutcome:
-    """Runs `command WORKLOAD.json RESULT.json` with a progress bar; a child still running
-    after `timeout_s` (model loading included) is stopped with its whole process group."""
-    with tempfile.TemporaryDirectory(prefix="pagewire-peer-") as folder:
-        workload, result = Path(folder) / "workload.json", Path(folder) / "result.json"
-        log_path = Path(folder) / "peer.log"
+    def run(self, label: str, requests: list[PeerRequest], timeout_s: float) -> PeerOutcome:
+        """One run of `requests`; the time limit covers model loading for the first run."""
+        if self.failed:
+            return PeerOutcome(status=self.failed)
+        self._runs += 1
+        workload = self._folder / f"workload-{self._runs}.json"
+        result = self._folder / f"result-{self._runs}.json"
         write_workload(workload, requests)
-        with open(log_path, "w") as log, tqdm(total=len(requests), desc=label, unit="req",
-                                             leave=False, file=sys.stderr) as bar:
-            process = subprocess.Popen(
-                [*command, str(workload), str(result)], stdout=subprocess.PIPE, stderr=log,
-                text=True, env=None if env is None else dict(env), start_new_session=True)
-            assert process.stdout is not None
-            reader = threading.Thread(target=_follow_progress, args=(process.stdout, bar),
-                                      daemon=True)
-            reader.start()
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(run_command(workload, result))
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            return self._fail(label, "failed")
+        deadline = time.monotonic() + timeout_s
+        with tqdm(total=len(requests), desc=label, unit="req", leave=False,
+                  file=sys.stderr) as bar:
+            while True:
+                try:
+                    line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+                except queue.Empty:
+                    return self._fail(label, f"timed out after {timeout_s:.0f} s")
+                if line is None:
+                    return self._fail(label, "failed")
+                if line == DONE:
+                    break
+                finished = parse_progress(line)
+                if finished is not None and finished > bar.n:
+                    bar.update(finished - bar.n)
+        measured = read_result(result)
+        return PeerOutcome(measured.seconds, measured.output_tokens, measured.settings)
+
+    def _fail(self, label: str, why: str) -> PeerOutcome:
+        if self._process.poll() is None:
+            _stop_group(self._process)
+        _end_leftovers(self._process.pid)
+        if why == "failed":
+            why = f"failed (exit code {self._process.returncode})"
+            print(f"{label} {why}; the end of its log:\n{self.log_tail()}", file=sys.stderr)
+        self.failed = why
+        return PeerOutcome(status=why)
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        return self._log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+
+    def close(self) -> None:
+        """Closes the peer's stdin (it exits when it reads the end) and reaps what is left."""
+        if self._process.poll() is None:
             try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _stop_group(process)
-                return PeerOutcome(status=f"timed out after {timeout_s:.0f} s")
-            finally:
-                if process.poll() is None:  # interrupted: leave no peer running
-                    _stop_group(process)
-                _end_leftovers(process.pid)
-            reader.join(timeout=5)
-        return _outcome(process, result, log_path, label)
+                assert self._process.stdin is not None
+                self._process.stdin.close()
+                self._process.wait(timeout=_CLOSE_WAIT_S)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                _stop_group(self._process)
+        _end_leftovers(self._process.pid)
+        self._log.close()
+        shutil.rmtree(self._folder, ignore_errors=True)

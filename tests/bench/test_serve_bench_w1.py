@@ -1,43 +1,125 @@
-"""serve_bench's W1: the offline (final_only) and streamed runs swap order every round, the
-ceiling replays the offline runs' batches only, the machine settles before every run and after
-the last round, and the table's ratios are the totals'."""
+"""serve_bench's W1 treats every engine alike: one warm-up each before the rounds, a settle
+before every timed run, the engines' order rotated every round, the same prompts for every
+engine within a round and new ones each round; every request's tokens are checked, and an
+engine that falls short (a fake peer one token short) fails the bench; ratios are the median
+of per-round ratios with their spread."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench import serve_bench, step_profile
+from bench import serve_bench, step_profile, w1, workloads
+from bench.serve_report import markdown
 from bench.timing import RequestTiming, RunSummary
 from bench.workloads import BenchRequest
 
+FAKE_PEER = Path(__file__).with_name("fake_peer.py")
 
-@pytest.fixture
-def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> serve_bench.Results:
+
+@pytest.fixture(autouse=True)
+def no_waiting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    settles: list[str] = []
+    monkeypatch.setattr(w1, "wait_until_quiet", lambda: settles.append("settle") or 0.25)
     monkeypatch.setattr(serve_bench, "chart", lambda data, path: None)  # no matplotlib work
-    return serve_bench.Results(tmp_path, fresh=True)
+    return settles
 
 
-def test_offline_and_streamed_runs_alternate_and_the_ceiling_replays_offline_runs(
-        results: serve_bench.Results, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    runs: list[tuple[str, bool]] = []
+class FakeEngine:
+    """Takes `seconds` per round; `short_in_round` makes one of its runs a token short."""
+
+    def __init__(self, name: str, events: list[str], seconds: list[float],
+                 short_in_round: int = -1) -> None:
+        self.row = w1.W1Row(name, processes_started=1, warm_up=w1.WARM_UP)
+        self.rows = [self.row]
+        self.events, self.seconds, self.short_in_round = events, seconds, short_in_round
+        self.prompts: list[list[list[int]]] = []
+
+    def warm_up(self, requests: list[BenchRequest]) -> None:
+        self.events.append(f"warm {self.row.name}")
+
+    def run(self, round_index: int, requests: list[BenchRequest]) -> None:
+        self.row.settle()
+        self.events.append(f"{self.row.name} {round_index}")
+        self.prompts.append([r.prompt_token_ids for r in requests])
+        produced = [r.max_tokens for r in requests]
+        if round_index == self.short_in_round:
+            produced[3] -= 1
+        w1.check_counts(self.row.name, requests, produced)
+        self.row.add_round(self.seconds[round_index], sum(produced))
+
+
+def test_rounds_rotate_warm_up_once_settle_before_every_run_and_share_prompts(
+        no_waiting: list[str]) -> None:
     events: list[str] = []
+    engines = [FakeEngine(name, events, [1.0, 1.0, 1.0]) for name in "abc"]
+    w1.run_rounds(engines, rounds=3)
 
+    assert events == ["warm a", "warm b", "warm c", "a 0", "b 0", "c 0",
+                      "b 1", "c 1", "a 1", "c 2", "a 2", "b 2"]
+    assert len(no_waiting) == 9  # one settle per timed run
+    for engine in engines:
+        assert engine.row.settle_waits_s == [0.25] * 3
+        assert engine.prompts == engines[0].prompts  # the same prompts in each round
+    assert len({str(prompts) for prompts in engines[0].prompts}) == 3  # new ones every round
+
+
+def test_a_short_engine_fails_and_the_others_go_on() -> None:
+    events: list[str] = []
+    short = FakeEngine("short", events, [1.0, 1.0, 1.0], short_in_round=1)
+    other = FakeEngine("other", events, [1.0, 1.0, 1.0])
+    w1.run_rounds([short, other], rounds=3)
+
+    assert short.row.status.startswith("failed in round 2: short: 1 of 32 requests produced")
+    assert "request 3" in short.row.status
+    assert events.count("short 2") == 0 and events.count("other 2") == 1
+    assert len(short.row.round_tokens) == 1 and len(other.row.round_tokens) == 3
+
+
+def test_check_counts_names_the_request() -> None:
+    requests = [BenchRequest([1], 5), BenchRequest([2], 7)]
+    w1.check_counts("ok", requests, [5, 7])
+    with pytest.raises(w1.ShortOutput, match="request 1: 8 of 7 tokens"):
+        w1.check_counts("long", requests, [5, 8])
+    with pytest.raises(w1.ShortOutput, match="1 token counts for 2 requests"):
+        w1.check_counts("missing", requests, [5])
+
+
+def test_ratios_are_medians_of_per_round_ratios_with_their_spread(tmp_path: Path) -> None:
+    events: list[str] = []
+    results = serve_bench.Results(tmp_path)
+    pagewire = FakeEngine(serve_bench.PAGEWIRE, events, [1.0, 2.0, 1.0, 1.0])
+    peer = FakeEngine("peer", events, [2.0, 2.0, 4.0, 3.0])
+    serve_bench.run_w1([pagewire, peer], results)
+
+    # Per round pagewire ÷ peer: 2, 1, 4, 3 -> median 2.5 (the totals' ratio would be 2.2).
+    ratio = w1.per_round_ratio(pagewire.row.round_rates, peer.row.round_rates)
+    assert ratio == w1.Ratio(2.5, 1.0, 4.0, 4)
+    table = markdown(results.data)
+    assert "| 2.50 (1.00–4.00) |" in table
+    tokens = sum(r.max_tokens for seed in range(4) for r in w1.round_workload(seed))
+    assert f"| {tokens} |" in table  # the verified total
+    assert "| peer | 1 | one untimed W1-sized run (seed 99) after start | " \
+           "0.2, 0.2, 0.2, 0.2 | 4 |" in table
+
+
+def test_the_offline_way_replays_its_own_batches_on_the_ceiling_right_after_each_run(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     record_path = tmp_path / "rec"
+    events: list[str] = []
 
     def fake_run(address: str, label: str, requests: list[BenchRequest],
                  allow_errors: bool = False) -> RunSummary:
-        final_only = {r.final_only for r in requests}
-        assert len(final_only) == 1
-        assert len({r.cache_salt for r in requests}) == 1
-        runs.append((requests[0].cache_salt, final_only.pop()))
-        events.append("offline" if runs[-1][1] else "streamed")
+        how = "offline" if requests[0].final_only else "streamed"
+        events.append(how)
         with open(record_path, "a") as record:  # what the runner records
-            record.write(events[-1])
-        # 100 tokens: offline runs take 1 s, streamed ones 2 s.
-        return RunSummary(1.0 if runs[-1][1] else 2.0,
-                          [RequestTiming(sent=0.0, output_tokens=100)])
+            record.write(how)
+        return RunSummary(1.0 if how == "offline" else 2.0,
+                          [RequestTiming(sent=0.0, output_tokens=r.max_tokens)
+                           for r in requests])
 
     def fake_replay(runner: object, path: Path) -> float:
         assert path.read_text() == "offline"  # that run's batches alone
@@ -47,22 +129,42 @@ def test_offline_and_streamed_runs_alternate_and_the_ceiling_replays_offline_run
     empty = step_profile.Snapshot({}, {}, {})
     monkeypatch.setattr(serve_bench, "_run", fake_run)
     monkeypatch.setattr(serve_bench, "replay", fake_replay)
-    monkeypatch.setattr(serve_bench, "ModelRunner", lambda options: object())
-    monkeypatch.setattr(serve_bench, "wait_until_quiet", lambda: events.append("settle") or 0.0)
     monkeypatch.setattr(step_profile, "take_snapshot", lambda port: empty)
-    monkeypatch.setattr(serve_bench, "W1_ROUNDS", 2)
-    results.start_pagewire()
-    serve_bench.run_w1("addr", 0, record_path, Path("model"), results,
-                       after_round=lambda: events.append("peers"))
+    monkeypatch.setattr(w1, "W1_ROUNDS", 2)
+    offline = serve_bench.PagewireW1("addr", 0, True, (object(), record_path))  # type: ignore[arg-type]
+    streamed = serve_bench.PagewireW1("addr", 0, False)
+    w1.run_rounds([offline, streamed], rounds=2)
 
-    assert events == ["settle", "offline", "replay", "settle", "streamed", "peers",
-                      "settle", "streamed", "settle", "offline", "replay", "peers", "settle"]
-    assert len({salt for salt, _ in runs}) == 4  # no run reuses another's cached prompts
-    pagewire = results.data["pagewire"]
-    assert pagewire["w1"]["tokens_per_s"] == pytest.approx(100.0)
-    assert pagewire["w1_streamed"]["tokens_per_s"] == pytest.approx(50.0)
-    assert results.data["ceiling"]["tokens_per_s"] == pytest.approx(200.0)
-    table = serve_bench.markdown(results.data)
-    assert "| ceiling (runner alone, same batches) | 200.0 | 0.50 (efficiency) |" in table
-    assert "| pagewire streamed: a message per step per request | 50.0 | 2.00 |" in table
-    assert "pagewire streamed ÷ row: ceiling 0.25." in table
+    assert events == ["offline", "replay", "offline", "replay", "streamed",
+                      "streamed", "offline", "replay"]
+    assert offline.ceiling_row.round_tokens == offline.row.round_tokens
+    assert len(offline.ceiling_row.settle_waits_s) == 2
+
+
+def test_a_fake_peer_one_token_short_fails_the_bench(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fake_command(key: str, model_dir: Path) -> list[str]:
+        mode = "short" if key == "hf-static" else "ok"
+        return [sys.executable, str(FAKE_PEER), mode, str(tmp_path / key), str(model_dir)]
+
+    monkeypatch.setattr(serve_bench, "_peer_command", fake_command)
+    monkeypatch.setattr(serve_bench, "resolve_model", lambda name: tmp_path)
+    monkeypatch.setattr(sys, "argv", ["serve_bench", "--only", "hf-static,hf-cb",
+                                      "--results-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        serve_bench.main()
+
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err
+    assert "serve_bench FAILED: transformers static: failed in its warm-up" in error
+    last = workloads.offline_throughput(seed=w1.WARM_UP_SEED)[-1].max_tokens
+    assert f"1 of 32 requests produced other than they asked, e.g. request 31: {last - 1} of " \
+           f"{last} tokens" in error
+    rows = {row["name"]: row for row in
+            json.loads((tmp_path / "serve_bench.json").read_text())["w1"]["rows"]}
+    assert rows["transformers static"]["rounds"] == 0
+    assert (rows["transformers continuous"]["status"], rows["transformers continuous"]["rounds"]
+            ) == ("", 4)  # the other peer was measured in every round
+    assert "| transformers static | failed in its warm-up: " in \
+        (tmp_path / "serve_bench.md").read_text()

@@ -1,0 +1,53 @@
+"""A stand-in peer that speaks bench/peers/protocol.py, for serve_bench's tests.
+
+    fake_peer.py MODE PID_FILE MODEL_DIR
+MODE: `ok` (every request gets its max_tokens), `short` (the last request of every run gets
+one token fewer), `crash` (exits 3 at its first run), `hang` (starts a child and sleeps).
+Each result's settings carry the peer's pid, so a test can see one process serve every run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.peers.protocol import (  # noqa: E402
+    PeerRequest,
+    RunResult,
+    model_dir_arg,
+    report_progress,
+    serve,
+)
+
+
+def main() -> None:
+    mode, pid_file = sys.argv[1:3]
+    model_dir_arg(sys.argv[3:])
+
+    def run(requests: list[PeerRequest]) -> RunResult:
+        if mode == "crash":
+            print("boom", file=sys.stderr)
+            sys.exit(3)
+        if mode == "hang":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            Path(pid_file).write_text(str(child.pid))
+            time.sleep(600)
+        counts = [r.max_tokens for r in requests]
+        if mode == "short":
+            counts[-1] -= 1
+        for finished in range(1, len(requests) + 1):
+            report_progress(finished)
+        return RunResult(2.0, counts, {"pid": os.getpid()})
+
+    serve(run)
+
+
+if __name__ == "__main__":
+    main()
