@@ -1,18 +1,25 @@
 """Hostile input over real gRPC to the runner (its core in-process, a tiny model): Execute with
-valid-shaped batches broken one field at a time, fully random batches, and raw bytes; Info.
+valid-shaped batches broken one field at a time, fully random batches, stale epochs, and raw
+bytes; Info.
 
 Each call must end with a documented status: OK, INVALID_ARGUMENT (a batch that breaks the
 contract, or bytes that do not parse) or FAILED_PRECONDITION (a stale epoch); never UNKNOWN
-or INTERNAL. After every refused batch the KV cache is bit-identical to before, and the
-runner still computes right afterwards. PAGEWIRE_FUZZ_EXAMPLES raises the counts.
+or INTERNAL, whatever the input. After every refused batch the KV cache is bit-identical to
+before. Each fuzz test checks that it ran every example its settings allow, and the message
+fuzzes that (nearly) every example reached the batch validator, so that a strategy refused
+earlier (a stale step, another epoch) cannot pass for a test of the validator. The last test
+runs greedy decoding through Execute on the runner the fuzz has hammered and compares it
+with transformers. PAGEWIRE_FUZZ_EXAMPLES raises the counts.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -21,39 +28,63 @@ import pytest
 import torch
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import gpu_runner.runner as runner_module
 from common.server import ServerOptions, start_server
+from gpu_runner.batch import BatchLimits, ExecuteBatch, validate_batch
 from gpu_runner.runner import ModelRunner
 from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
 from protos import runner_pb2, runner_pb2_grpc
-from tests.gpu_runner.conftest import make_runner
-from tests.helpers.paged_driver import PagedDriver, batch_to_proto
+from tests.gpu_runner.conftest import load_oracle, make_runner
+from tests.helpers.paged_driver import PagedDriver, Seq, batch_to_proto
 from tests.helpers.tiny_models import make_tiny_model
 
 EXAMPLES = int(os.environ.get("PAGEWIRE_FUZZ_EXAMPLES", "2000"))
 C = grpc.StatusCode
 ALLOWED = {C.OK, C.INVALID_ARGUMENT, C.FAILED_PRECONDITION}
-EXECUTE = f"/{SERVICE_NAME}/Execute"
+# Share of a message fuzz's examples that must reach validate_batch. Every example of both
+# message fuzzes is built to (fresh client id, the runner's epoch, no after_step_id), so 100 %
+# is what they do; the margin leaves room for a mutation kind that is refused earlier.
+VALIDATED_SHARE = 0.9
 INT_COLUMNS = ("num_new_tokens", "start_positions", "token_ids", "slot_mapping",
                "block_table_lens", "block_tables", "top_ks", "num_logprobs",
                "copy_src_block_ids", "copy_dst_block_ids")
 FLOAT_COLUMNS = ("temperatures", "top_ps", "min_ps")
 
 
+def fuzz_examples(share: float) -> int:
+    return max(1, int(EXAMPLES * share))
+
+
+BROKEN_EXAMPLES = fuzz_examples(0.55)
+RANDOM_EXAMPLES = fuzz_examples(0.15)
+STALE_EXAMPLES = fuzz_examples(0.05)
+RAW_EXAMPLES = fuzz_examples(0.25)
+
+
 @dataclass
 class Served:
+    model: Path
     runner: ModelRunner
     stub: runner_pb2_grpc.RunnerServiceStub
     channel: grpc.Channel
     info: runner_pb2.InfoResponse
     bases: list[runner_pb2.ExecuteRequest]
+    # Calls of the runner's validate_batch (wrapped by the fixture). It runs on the forward
+    # thread, but before Execute answers, so a test reads it safely once its call returned.
+    validations: int = 0
 
 
-def fuzz_settings(share: float) -> settings:
-    return settings(max_examples=max(1, int(EXAMPLES * share)), deadline=None, database=None,
+def fuzz_settings(max_examples: int) -> settings:
+    return settings(max_examples=max_examples, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# A client id per batch: the retry cache refuses a step id below its client's last one before
+# the validator runs, so one shared id with random step ids would test the retry cache instead.
+_CLIENT_IDS = (f"fuzz-{n}" for n in itertools.count())
 
 
 def _base_requests(info: runner_pb2.InfoResponse) -> list[runner_pb2.ExecuteRequest]:
@@ -84,30 +115,67 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = runner_pb2_grpc.RunnerServiceStub(channel)
     info = stub.Info(runner_pb2.InfoRequest())
-    yield Served(runner, stub, channel, info, _base_requests(info))
-    # Still computing right: the same prompt batch gives the same greedy tokens twice.
-    again = runner_pb2.ExecuteRequest()
-    again.CopyFrom(_base_requests(info)[0])
-    assert list(stub.Execute(again).token_ids) == list(stub.Execute(again).token_ids)
+    served = Served(Path(model), runner, stub, channel, info, _base_requests(info))
+
+    def counting_validate(batch: ExecuteBatch, limits: BatchLimits) -> None:
+        served.validations += 1
+        validate_batch(batch, limits)
+
+    # ModelRunner.execute calls the validator through its module's name: counting there sees
+    # exactly the batches that got past the servicer (epoch, gate, retry cache).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module, "validate_batch", counting_validate)
+        yield served
     channel.close()
     service.stop(0)
 
 
 def kv_bytes(runner: ModelRunner) -> torch.Tensor:
-    return runner.kv_cache.detach().clone().contiguous().view(torch.uint8)
+    """The KV cache seen as bytes (no copy): compared bit for bit, NaN equals NaN."""
+    return runner.kv_cache.detach().contiguous().view(torch.uint8)
 
 
-def call_keeps_kv_on_refusal(served: Served, call: object) -> grpc.StatusCode:
-    before = kv_bytes(served.runner)
-    try:
-        call()  # type: ignore[operator]
-    except grpc.RpcError as error:
-        assert error.code() in ALLOWED, f"{error.code()}: {error.details()}"
-        assert torch.equal(kv_bytes(served.runner), before), f"KV changed by {error.details()}"
-        event(error.code().name)
-        return error.code()
-    event("OK")
-    return C.OK
+@dataclass
+class Tally:
+    """What one fuzz test's examples did: how many ran to their end, how many of those reached
+    the batch validator, and their statuses (shown when a count falls short)."""
+
+    examples: int = 0
+    validated: int = 0
+    codes: Counter[str] = field(default_factory=Counter)
+    # The KV cache's bytes as this test's last accepted call left them (None: take them anew).
+    # Kept across refusals, which must not change them: copying the cache before every call
+    # cost a few ms an example, more than the call itself.
+    kv: torch.Tensor | None = None
+
+    def call(self, served: Served, call: Callable[[], object]) -> grpc.StatusCode:
+        """Runs one example's call and counts it. Its status must be an allowed one, and a
+        refusal must leave the KV cache bit for bit as it was."""
+        kv = self.kv = kv_bytes(served.runner).clone() if self.kv is None else self.kv
+        before = served.validations
+        try:
+            call()
+            code = C.OK
+            self.kv = None  # an executed batch writes the cache
+        except grpc.RpcError as error:
+            code = error.code()
+            assert code in ALLOWED, f"{code}: {error.details()}"
+            assert torch.equal(kv_bytes(served.runner), kv), (
+                f"KV changed by {error.details()}")
+        self.examples += 1
+        self.validated += served.validations > before
+        self.codes[code.name] += 1
+        return code
+
+    def assert_ran(self, max_examples: int, validated_share: float = 0.0) -> None:
+        # Hypothesis runs max_examples valid examples unless it exhausts a strategy, and none
+        # of these can be exhausted; examples it abandons mid-draw (too much data, a rejected
+        # float) never reach `call`, and it draws new ones in their place.
+        assert self.examples == max_examples, (
+            f"{self.examples} examples ran, settings allow {max_examples}: {dict(self.codes)}")
+        assert self.validated >= validated_share * self.examples, (
+            f"only {self.validated} of {self.examples} examples reached validate_batch: "
+            f"{dict(self.codes)}")
 
 
 HOSTILE_INTS = st.one_of(
@@ -136,12 +204,10 @@ def fit(column: str, value: int) -> int:
 
 @st.composite
 def mutation(draw: st.DrawFn, request: runner_pb2.ExecuteRequest) -> None:
-    """Breaks one thing of `request` in place."""
-    kind = draw(st.sampled_from(["set", "append", "drop", "clear", "epoch", "seed",
-                                 "do_sample"]))
-    if kind == "epoch":
-        request.epoch = draw(st.integers(0, 2**64 - 1))
-        return
+    """Breaks one thing of `request` in place. Never its epoch: a stale epoch is refused
+    before the validator (test_stale_epochs_are_failed_precondition covers it), and here it
+    took about a quarter of the examples away from the validator."""
+    kind = draw(st.sampled_from(["set", "append", "drop", "clear", "seed", "do_sample"]))
     if kind == "seed":
         request.seeds[:] = draw(st.lists(st.integers(0, 2**64 - 1), max_size=4))
         return
@@ -164,73 +230,100 @@ def mutation(draw: st.DrawFn, request: runner_pb2.ExecuteRequest) -> None:
         del values[:]
 
 
-@fuzz_settings(0.55)
-@given(data=st.data())
-def test_execute_with_broken_batches(served: Served, data: st.DataObject) -> None:
-    request = runner_pb2.ExecuteRequest()
-    request.CopyFrom(data.draw(st.sampled_from(served.bases)))
-    request.client_id = "fuzz"
-    request.step_id = data.draw(st.integers(0, 2**64 - 1))
-    for _ in range(data.draw(st.integers(1, 3))):
-        data.draw(mutation(request))
-    call_keeps_kv_on_refusal(served, lambda: served.stub.Execute(request, timeout=60))
+def test_execute_with_broken_batches(served: Served) -> None:
+    tally = Tally()
+
+    @fuzz_settings(BROKEN_EXAMPLES)
+    @given(data=st.data())
+    def example(data: st.DataObject) -> None:
+        request = runner_pb2.ExecuteRequest()
+        request.CopyFrom(data.draw(st.sampled_from(served.bases)))
+        request.client_id = next(_CLIENT_IDS)
+        request.step_id = data.draw(st.integers(0, 2**64 - 1))
+        for _ in range(data.draw(st.integers(1, 3))):
+            data.draw(mutation(request))
+        tally.call(served, lambda: served.stub.Execute(request, timeout=60))
+
+    example()
+    tally.assert_ran(BROKEN_EXAMPLES, VALIDATED_SHARE)
 
 
-@fuzz_settings(0.15)
-@given(data=st.data())
-def test_execute_with_random_batches(served: Served, data: st.DataObject) -> None:
-    request = runner_pb2.ExecuteRequest(epoch=served.info.epoch)
-    for column in ("num_new_tokens", "block_table_lens", "top_ks", "num_logprobs"):
-        values = data.draw(st.lists(st.integers(-2, 40), max_size=4))
-        getattr(request, column).extend(fit(column, v) for v in values)
-    for column in ("start_positions", "token_ids", "slot_mapping", "block_tables",
-                   "copy_src_block_ids", "copy_dst_block_ids"):
-        values = data.draw(st.lists(st.integers(-2, 300), max_size=40))
-        getattr(request, column).extend(fit(column, v) for v in values)
-    for column in FLOAT_COLUMNS:
-        getattr(request, column).extend(data.draw(st.lists(HOSTILE_FLOATS, max_size=4)))
-    request.do_sample.extend(data.draw(st.lists(st.booleans(), max_size=4)))
-    request.seeds.extend(data.draw(st.lists(st.integers(0, 2**64 - 1), max_size=4)))
-    call_keeps_kv_on_refusal(served, lambda: served.stub.Execute(request, timeout=60))
+def test_execute_with_random_batches(served: Served) -> None:
+    tally = Tally()
+
+    @fuzz_settings(RANDOM_EXAMPLES)
+    @given(data=st.data())
+    def example(data: st.DataObject) -> None:
+        # No client id: nothing is remembered, so the retry cache cannot refuse it first.
+        request = runner_pb2.ExecuteRequest(epoch=served.info.epoch)
+        for column in ("num_new_tokens", "block_table_lens", "top_ks", "num_logprobs"):
+            values = data.draw(st.lists(st.integers(-2, 40), max_size=4))
+            getattr(request, column).extend(fit(column, v) for v in values)
+        for column in ("start_positions", "token_ids", "slot_mapping", "block_tables",
+                       "copy_src_block_ids", "copy_dst_block_ids"):
+            values = data.draw(st.lists(st.integers(-2, 300), max_size=40))
+            getattr(request, column).extend(fit(column, v) for v in values)
+        for column in FLOAT_COLUMNS:
+            getattr(request, column).extend(data.draw(st.lists(HOSTILE_FLOATS, max_size=4)))
+        request.do_sample.extend(data.draw(st.lists(st.booleans(), max_size=4)))
+        request.seeds.extend(data.draw(st.lists(st.integers(0, 2**64 - 1), max_size=4)))
+        tally.call(served, lambda: served.stub.Execute(request, timeout=60))
+
+    example()
+    tally.assert_ran(RANDOM_EXAMPLES, VALIDATED_SHARE)
 
 
-@fuzz_settings(0.05)
-@given(epoch=st.integers(0, 2**64 - 1), base=st.integers(0, 2))
-def test_stale_epochs_are_failed_precondition(served: Served, epoch: int, base: int) -> None:
-    request = runner_pb2.ExecuteRequest()
-    request.CopyFrom(served.bases[base])
-    request.epoch = epoch
-    code = call_keeps_kv_on_refusal(served, lambda: served.stub.Execute(request, timeout=60))
-    if epoch != served.info.epoch:
-        assert code == C.FAILED_PRECONDITION
+def test_stale_epochs_are_failed_precondition(served: Served) -> None:
+    # The epoch check comes before the validator: these examples are not meant to reach it.
+    tally = Tally()
+
+    @fuzz_settings(STALE_EXAMPLES)
+    @given(epoch=st.integers(0, 2**64 - 1), base=st.integers(0, 2))
+    def example(epoch: int, base: int) -> None:
+        request = runner_pb2.ExecuteRequest()
+        request.CopyFrom(served.bases[base])
+        request.epoch = epoch
+        code = tally.call(served, lambda: served.stub.Execute(request, timeout=60))
+        if epoch != served.info.epoch:
+            assert code == C.FAILED_PRECONDITION
+
+    example()
+    tally.assert_ran(STALE_EXAMPLES)
 
 
-def _raw(served: Served, method: str) -> object:
-    return served.channel.unary_unary(f"/{SERVICE_NAME}/{method}",
-                                      request_serializer=lambda b: b,
-                                      response_deserializer=lambda b: b)
+def _raw(served: Served, method: str) -> Callable[..., bytes]:
+    return served.channel.unary_unary(
+        f"/{SERVICE_NAME}/{method}",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b)
 
 
-@fuzz_settings(0.25)
-@given(method=st.sampled_from(["Execute", "Info"]),
-       data=st.one_of(st.binary(max_size=200),
-                      st.binary(max_size=200).map(lambda b: b"\x3a\x04" + b)))
-def test_raw_bytes_as_requests(served: Served, method: str, data: bytes) -> None:
+def test_raw_bytes_as_requests(served: Served) -> None:
     """Random bytes: where they parse, the message meets the same rules as any other; where
-    they do not, the runner answers gRPC's own INTERNAL "Exception deserializing request!"
-    today (the regression test below wants INVALID_ARGUMENT) and keeps serving."""
-    request_class = runner_pb2.ExecuteRequest if method == "Execute" else runner_pb2.InfoRequest
-    try:
-        request_class.FromString(data)
-    except DecodeError:
+    they do not, the answer is INVALID_ARGUMENT (not gRPC's own INTERNAL "Exception
+    deserializing request!") and the runner keeps serving."""
+    tally = Tally()
+
+    @fuzz_settings(RAW_EXAMPLES)
+    @given(method=st.sampled_from(["Execute", "Info"]),
+           data=st.one_of(st.binary(max_size=200),
+                          # 0x3a: start_positions (field 7), packed, 4 bytes long.
+                          st.binary(max_size=200).map(lambda b: b"\x3a\x04" + b)))
+    def example(method: str, data: bytes) -> None:
+        request_class = (runner_pb2.ExecuteRequest if method == "Execute"
+                         else runner_pb2.InfoRequest)
+        try:
+            request_class.FromString(data)
+            parses = True
+        except DecodeError:
+            parses = False
         call = _raw(served, method)
-        with pytest.raises(grpc.RpcError) as error:
-            call(data, timeout=60)  # type: ignore[operator]
-        assert error.value.code() in {C.INTERNAL, C.INVALID_ARGUMENT}
-        event("does not parse")
-        return
-    call = _raw(served, method)
-    call_keeps_kv_on_refusal(served, lambda: call(data, timeout=60))  # type: ignore[operator]
+        code = tally.call(served, lambda: call(data, timeout=60))
+        if not parses:
+            assert code == C.INVALID_ARGUMENT
+
+    example()
+    tally.assert_ran(RAW_EXAMPLES)
 
 
 @pytest.mark.parametrize("method", ["Execute", "Info"])
@@ -238,6 +331,60 @@ def test_unparsable_bytes_are_invalid_argument(served: Served, method: str) -> N
     call = _raw(served, method)
     with pytest.raises(grpc.RpcError) as error:
         # Execute: client_id (field 2) holding invalid UTF-8; Info: a truncated tag.
-        call(b"\x12\x02\xc3\x28" if method == "Execute" else b"\xff\xff",  # type: ignore
-             timeout=10)
+        call(b"\x12\x02\xc3\x28" if method == "Execute" else b"\xff\xff", timeout=10)
     assert error.value.code() == C.INVALID_ARGUMENT
+
+
+ORACLE_PROMPTS = ([11, 300, 4100, 77, 9000, 12, 5, 48000, 600, 31, 7],  # 11: two blocks of 8
+                  [7, 8, 9, 4000, 30000, 15, 16, 17, 901, 49000, 3, 44, 45],  # 13
+                  list(range(1000, 20000, 1000)))  # 19: prefilled in two chunks
+ORACLE_STEPS = 6
+LOGPROB_ATOL = 1e-4
+
+
+def test_after_the_fuzz_decoding_matches_transformers(served: Served) -> None:
+    """Last in the file, so that it runs on the runner the fuzz has hammered: greedy decoding
+    through Execute (mixed prefill and decode batches, a chunked prefill, a fork whose first
+    write copies its shared block) gives transformers' greedy tokens, and each sampled token's
+    logprob is transformers' to LOGPROB_ATOL."""
+    client_id, step_ids = next(_CLIENT_IDS), itertools.count(1)
+    answers: list[runner_pb2.ExecuteResponse] = []
+    copies = 0
+
+    def execute(batch: ExecuteBatch) -> np.ndarray:
+        nonlocal copies
+        copies += len(batch.copy_src_block_ids)
+        request: runner_pb2.ExecuteRequest = batch_to_proto(batch)  # type: ignore[assignment]
+        request.client_id, request.step_id = client_id, next(step_ids)
+        request.num_logprobs[:] = [0] * batch.num_seqs  # the sampled token's logprob only
+        answers.append(served.stub.Execute(request, timeout=60))
+        return np.asarray(answers[-1].token_ids)
+
+    driver = PagedDriver(execute, served.info.block_size, served.info.num_blocks)
+    driver.epoch = served.info.epoch
+    # (sequence, position of a sampled token, the runner's logprob of it)
+    sampled: list[tuple[Seq, int, float]] = []
+
+    def step(seqs: list[Seq], chunk: dict[int, int] | None = None) -> None:
+        for seq, logprob in zip(driver.step(seqs, chunk), answers[-1].logprobs, strict=True):
+            sampled.append((seq, len(seq.tokens) - 1, logprob))
+
+    first, second, third = (driver.add(prompt) for prompt in ORACLE_PROMPTS)
+    step([first, second])  # two prefills
+    step([first, second, third], chunk={2: 8})  # two decodes and a first prefill chunk
+    child = driver.fork(second)  # shares second's blocks, its last one partly filled
+    seqs = [first, second, third, child]
+    while active := [seq for seq in seqs if len(seq.generated) < ORACLE_STEPS]:
+        step(active)
+    assert copies == 1, f"{copies} block copies; the fork was to make one"
+
+    oracle = load_oracle(served.model)
+    for seq, prompt in zip(seqs, [*ORACLE_PROMPTS, ORACLE_PROMPTS[1]], strict=True):
+        assert seq.generated == oracle.generate(prompt, ORACLE_STEPS)[0], f"prompt {prompt}"
+    with torch.inference_mode():
+        expected = {id(seq): torch.log_softmax(
+            oracle.model(torch.tensor([seq.tokens])).logits[0].float(), dim=-1)
+            for seq in seqs}
+    for seq, position, logprob in sampled:
+        reference = float(expected[id(seq)][position - 1, seq.tokens[position]])
+        assert logprob == pytest.approx(reference, abs=LOGPROB_ATOL), (seq.tokens, position)
