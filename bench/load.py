@@ -1,9 +1,12 @@
 """Load generator: many concurrent streaming clients against a pagewire gateway.
 
 Each client is a thread that opens Generate streams one after another until the time is up,
-checks every stream ends with a finish reason and usage, and records its latency (first
-request byte to last message) and its time to first token. The report gives requests/s,
-generated tokens/s, p50/p99 latencies, errors and incomplete streams.
+and records each stream's latency (first request byte to last message) and its time to first
+token. Every request sets ignore_eos, so a complete stream delivers exactly max_tokens tokens:
+each stream is checked against what the client itself received (tokens summed over the
+streamed messages), not against the server's own count in usage, which is only cross-checked
+(see StreamTally). The report gives requests/s, generated tokens/s, p50/p99 latencies, errors
+and incomplete streams, and names the requests of the first failures.
 
 Usage: .venv/bin/python bench/load.py --address 127.0.0.1:50051 [--clients 200]
 [--duration-s 60] [--prompt-tokens 16] [--max-tokens 16] [--token-file FILE]
@@ -19,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 import grpc
@@ -43,6 +47,75 @@ class LoadSettings:
     timeout_s: float = 120.0
 
 
+# Failures kept word for word in a report (each names its request); the rest are only counted,
+# so that a broken server does not make 200 clients hold every message of a minute's load.
+FAILURES_KEPT = 20
+LENGTH = gateway_pb2.FINISH_REASON_LENGTH
+
+
+@dataclass
+class StreamTally:
+    """What one Generate stream delivered, counted as the client received it.
+
+    The server's usage is what the scheduler thinks it generated; a message lost, cut or
+    duplicated between the scheduler and this client would not change it. So the verdict
+    counts the token ids that actually arrived and then checks that usage agrees with them.
+    """
+
+    request_id: str
+    messages: int = 0
+    tokens: Counter[int] = field(default_factory=Counter)  # output index -> tokens received
+    finish: dict[int, int] = field(default_factory=dict)  # output index -> finish reason
+    usage: gateway_pb2.Usage | None = None
+    problems: list[str] = field(default_factory=list)  # seen while the stream ran
+
+    def observe(self, message: gateway_pb2.GenerateResponse) -> None:
+        """Counts one streamed message."""
+        self.messages += 1
+        if self.usage is not None:
+            self.problems.append(f"message {self.messages} came after the one with usage")
+        if message.request_id != self.request_id:
+            self.problems.append(f"message {self.messages} is for request "
+                                 f"{message.request_id!r}")
+        for output in message.outputs:
+            if output.index in self.finish:
+                self.problems.append(f"output {output.index} got message {self.messages} "
+                                     "after its finish reason")
+            self.tokens[output.index] += len(output.token_ids)
+            if output.finish_reason:
+                self.finish[output.index] = output.finish_reason
+        if message.HasField("usage"):
+            self.usage = message.usage
+
+    @property
+    def received(self) -> int:
+        """Token ids received, all outputs together."""
+        return sum(self.tokens.values())
+
+    def verdict(self, max_tokens: int, prompt_tokens: int) -> list[str]:
+        """What is wrong with the finished stream of an n=1, ignore_eos request (nothing: [])."""
+        problems = list(self.problems)
+        if set(self.tokens) - {0} or set(self.finish) - {0}:
+            problems.append(f"outputs {sorted(set(self.tokens) | set(self.finish))} for n=1")
+        if self.received != max_tokens:
+            problems.append(f"received {self.received} tokens in {self.messages} messages, "
+                            f"asked for {max_tokens} (ignore_eos)")
+        reason = self.finish.get(0, 0)
+        if reason != LENGTH:
+            problems.append(f"finish reason {gateway_pb2.FinishReason.Name(reason)}, not "
+                            "FINISH_REASON_LENGTH")
+        if self.usage is None:
+            problems.append(f"no usage in {self.messages} messages (the last one is missing)")
+        else:
+            if self.usage.completion_tokens != self.received:
+                problems.append(f"usage counts {self.usage.completion_tokens} completion "
+                                f"tokens, {self.received} arrived")
+            if self.usage.prompt_tokens != prompt_tokens:
+                problems.append(f"usage counts {self.usage.prompt_tokens} prompt tokens, "
+                                f"{prompt_tokens} were sent")
+        return problems
+
+
 @dataclass
 class ClientStats:
     """What one client thread saw (merged into a LoadReport at the end)."""
@@ -52,6 +125,11 @@ class ClientStats:
     tokens: int = 0
     incomplete: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)  # the first FAILURES_KEPT, by request
+
+    def fail(self, description: str) -> None:
+        if len(self.failures) < FAILURES_KEPT:
+            self.failures.append(description)
 
 
 @dataclass
@@ -66,6 +144,8 @@ class LoadReport:
     p99_latency_s: float
     p50_first_token_s: float
     p99_first_token_s: float
+    # The first FAILURES_KEPT errors and incomplete streams, each naming its request.
+    failures: list[str] = field(default_factory=list)
 
     @property
     def requests_per_s(self) -> float:
@@ -98,37 +178,44 @@ def one_stream(stub: gateway_pb2_grpc.GenerationServiceStub, request: gateway_pb
     """Runs one Generate stream to its end and records what it saw."""
     started = time.perf_counter()
     first: float | None = None
-    finished = False
-    usage = None
+    tally = StreamTally(request.request_id)
     try:
         for message in stub.Generate(request, timeout=settings.timeout_s):
-            for output in message.outputs:
-                if output.token_ids and first is None:
-                    first = time.perf_counter() - started
-                stats.tokens += len(output.token_ids)
-                finished = finished or output.finish_reason != 0
-            if message.HasField("usage"):
-                usage = message.usage
+            if first is None and any(output.token_ids for output in message.outputs):
+                first = time.perf_counter() - started
+            tally.observe(message)
     except grpc.RpcError as error:
         stats.errors[error.code().name] += 1
+        stats.tokens += tally.received
+        stats.fail(f"request {request.request_id}: {error.code().name} after "
+                   f"{tally.received} tokens: {error.details()}")
         return
-    # ignore_eos is set, so a complete stream has exactly max_tokens tokens.
-    if not finished or usage is None or usage.completion_tokens != settings.max_tokens:
+    stats.tokens += tally.received
+    problems = tally.verdict(request.sampling_params.max_tokens,
+                             len(request.prompt_token_ids.token_ids))
+    if problems:
         stats.incomplete += 1
+        stats.fail(f"request {request.request_id}: {'; '.join(problems)}")
         return
     stats.latencies_s.append(time.perf_counter() - started)
     stats.first_token_s.append(first if first is not None else stats.latencies_s[-1])
 
 
-def client_loop(settings: LoadSettings, deadline: float, seed: int, stats: ClientStats) -> None:
-    rng = random.Random(seed)
+def client_loop(settings: LoadSettings, deadline: float, client: int,
+                stats: ClientStats) -> None:
+    rng = random.Random(client)
     with open_channel(settings.address, settings.tls, settings.token) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        number = 0
         while time.monotonic() < deadline:
             prompt = [rng.randrange(16, settings.vocab) for _ in range(settings.prompt_tokens)]
+            # ignore_eos: a complete stream has exactly max_tokens tokens. The request id
+            # (client, stream) names the request in a failure and is checked on each message.
             request = build_request(token_ids=prompt, max_tokens=settings.max_tokens,
-                                    temperature=0.8, seed=rng.getrandbits(32), ignore_eos=True)
+                                    temperature=0.8, seed=rng.getrandbits(32), ignore_eos=True,
+                                    request_id=f"load-c{client}-s{number}")
             one_stream(stub, request, settings, stats)
+            number += 1
 
 
 def run_load(settings: LoadSettings) -> LoadReport:
@@ -154,6 +241,10 @@ def run_load(settings: LoadSettings) -> LoadReport:
         errors=dict(errors), p50_latency_s=percentile(latencies, 0.5),
         p99_latency_s=percentile(latencies, 0.99), p50_first_token_s=percentile(first, 0.5),
         p99_first_token_s=percentile(first, 0.99),
+        # Round robin over the clients: one client's failures alone would hide how many
+        # clients had them.
+        failures=[f for row in zip_longest(*(s.failures for s in stats)) for f in row
+                  if f is not None][:FAILURES_KEPT],
     )
 
 
@@ -174,6 +265,8 @@ def main() -> int:
         prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, token=token,
         tls=ClientTls(args.tls_ca) if args.tls_ca else None))
     print(report.summary())
+    for failure in report.failures:
+        print(failure)
     return 0 if not report.errors and not report.incomplete else 1
 
 

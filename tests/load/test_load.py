@@ -1,6 +1,7 @@
 """Bounded load test: 200 concurrent streaming clients for 60 s through real processes (block
-service, runner on a tiny random model, gateway). Zero errors, every stream complete, no
-block referenced afterwards, and each service's resident memory within +-10% between the
+service, runner on a tiny random model, gateway). Zero errors, every stream complete as its
+client received it (exactly max_tokens token ids over the streamed messages, usage agreeing),
+no block referenced afterwards, and each service's resident memory within +-10% between the
 20th and the 60th second (no leak that grows with the number of requests)."""
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.load import LoadReport, LoadSettings, run_load
-from protos import block_pb2, block_pb2_grpc
+from bench.load import LoadReport, LoadSettings, StreamTally, run_load
+from protos import block_pb2, block_pb2_grpc, gateway_pb2
 from tests.helpers.services import ServiceProcess
 from tests.helpers.tiny_models import make_tiny_model
 from tests.security.conftest import ProcessStack
@@ -93,9 +94,13 @@ def test_200_streaming_clients_for_a_minute(stack: ProcessStack) -> None:
     print(f"RSS median MiB, {FIRST_SAMPLE_S:.0f}-{FIRST_SAMPLE_S + WINDOW_S:.0f} s: "
           f"{ {k: v >> 20 for k, v in early.items()} }, last {WINDOW_S:.0f} s: "
           f"{ {k: v >> 20 for k, v in late.items()} }")
-    assert report.errors == {}
-    assert report.incomplete == 0
+    failures = "\n".join(report.failures)
+    assert report.errors == {}, f"errors {report.errors}:\n{failures}"
+    assert report.incomplete == 0, f"{report.incomplete} streams incomplete:\n{failures}"
     assert report.requests >= CLIENTS  # every client finished at least one stream
+    # Every stream was checked on its own; the totals must agree too (no tokens that arrived
+    # outside a counted stream).
+    assert report.tokens == report.requests * settings.max_tokens
     deadline = time.monotonic() + 10
     while used_blocks(stack) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -103,3 +108,60 @@ def test_200_streaming_clients_for_a_minute(stack: ProcessStack) -> None:
     for name in services:
         change = (late[name] - early[name]) / early[name]
         assert abs(change) <= 0.10, f"{name} RSS {early[name]} -> {late[name]} ({change:+.1%})"
+
+
+# ---- the per-stream check, without a server -------------------------------------------------
+def message(request_id: str, tokens: int, finish: int = 0,
+            usage: tuple[int, int] | None = None) -> gateway_pb2.GenerateResponse:
+    """One streamed message of output 0 with `tokens` token ids; usage = (prompt, completion)."""
+    reply = gateway_pb2.GenerateResponse(request_id=request_id, outputs=[
+        gateway_pb2.CompletionOutput(index=0, text="x" * tokens, token_ids=[7] * tokens,
+                                     finish_reason=finish)])  # type: ignore[arg-type]
+    if usage is not None:
+        reply.usage.prompt_tokens, reply.usage.completion_tokens = usage
+    return reply
+
+
+LENGTH = gateway_pb2.FINISH_REASON_LENGTH
+
+
+def tally_of(request_id: str, messages: list[gateway_pb2.GenerateResponse]) -> StreamTally:
+    tally = StreamTally(request_id)
+    for m in messages:
+        tally.observe(m)
+    return tally
+
+
+def test_a_complete_stream_passes() -> None:
+    stream = [message("r1", 1), message("r1", 0), message("r1", 14),
+              message("r1", 1, LENGTH, usage=(16, 16))]
+    assert tally_of("r1", stream).verdict(max_tokens=16, prompt_tokens=16) == []
+
+
+def test_a_short_stream_fails_naming_its_request_even_when_usage_is_right() -> None:
+    """A message lost on the way: the server's usage still says 16, the client got 15. The
+    verdict is what the load test reports, prefixed with the request id by one_stream."""
+    stream = [message("load-c3-s7", 5), message("load-c3-s7", 10, LENGTH, usage=(16, 16))]
+    problems = tally_of("load-c3-s7", stream).verdict(max_tokens=16, prompt_tokens=16)
+    assert "received 15 tokens in 2 messages, asked for 16 (ignore_eos)" in problems
+    assert "usage counts 16 completion tokens, 15 arrived" in problems
+
+
+def test_a_stream_that_agrees_with_a_short_usage_still_fails() -> None:
+    stream = [message("r", 4), message("r", 4, LENGTH, usage=(16, 8))]
+    problems = tally_of("r", stream).verdict(max_tokens=16, prompt_tokens=16)
+    assert problems == ["received 8 tokens in 2 messages, asked for 16 (ignore_eos)"]
+
+
+def test_a_stream_cut_before_its_last_message_fails() -> None:
+    problems = tally_of("r", [message("r", 16)]).verdict(max_tokens=16, prompt_tokens=16)
+    assert problems == ["finish reason FINISH_REASON_UNSPECIFIED, not FINISH_REASON_LENGTH",
+                        "no usage in 1 messages (the last one is missing)"]
+
+
+def test_messages_of_another_request_or_after_the_end_fail() -> None:
+    stream = [message("r", 8), message("q", 8, LENGTH, usage=(16, 16)), message("r", 0)]
+    problems = tally_of("r", stream).verdict(max_tokens=16, prompt_tokens=16)
+    assert problems == ["message 2 is for request 'q'",
+                        "message 3 came after the one with usage",
+                        "output 0 got message 3 after its finish reason"]
