@@ -4,14 +4,22 @@ Each call must end with a status from the RPC's documented set (docs/block_servi
 "Hostile input"); never UNKNOWN (an unhandled exception) or INTERNAL; the server keeps
 answering; and afterwards the core's invariants hold. Run with more examples through
 PAGEWIRE_FUZZ_EXAMPLES (`make fuzz`).
+
+A fuzz test that passes says little unless its examples ran and got somewhere, so each test
+also counts the examples its body ran (all that max_examples allows) and how many of them got
+into BlockServiceCore (past gRPC's size limit and the request parser, into the core's own
+validation), and asserts a minimum share of those.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +44,10 @@ LIMITS = Limits(max_ops_per_step=512, max_tokens_per_request=4096, max_pool_bloc
                 max_pools=16, max_sessions=64, max_seqs_per_session=64)
 
 C = grpc.StatusCode
+# UNKNOWN is an exception the servicer did not handle, INTERNAL a failure inside gRPC or the
+# server (before this project's parser, an unparsable request): neither is an answer a client
+# can act on, whatever it sent.
+NEVER = {C.UNKNOWN, C.INTERNAL}
 # Any call may carry more bytes than --max-message-bytes: gRPC answers RESOURCE_EXHAUSTED.
 # A request that does not parse (bad wire format, invalid UTF-8) is INVALID_ARGUMENT.
 COMMON = {C.OK, C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED}
@@ -57,12 +69,39 @@ ALLOWED: dict[str, set[grpc.StatusCode]] = {
 }
 
 
+# The BlockServiceCore methods the servicer calls (one per RPC; StepStream calls step).
+CORE_ENTRIES = ("open_session", "keep_alive", "close_session", "create_pool", "get_pool",
+                "allocate", "append", "free", "fork", "step", "match_prefix", "stats")
+
+
+@dataclass
+class CoreCalls:
+    """Counts calls into the core's entry points, made from the server's threads."""
+
+    count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def wrap(self, core: BlockServiceCore) -> None:
+        """Replaces each entry point on this core object by a counting wrapper."""
+        for name in CORE_ENTRIES:
+            method = getattr(core, name)
+
+            @functools.wraps(method)
+            def counted(*args: Any, __method: Callable[..., Any] = method,
+                        **kwargs: Any) -> Any:
+                with self._lock:
+                    self.count += 1
+                return __method(*args, **kwargs)
+            setattr(core, name, counted)
+
+
 @dataclass
 class Server:
     core: BlockServiceCore
     channel: grpc.Channel
     stub: block_pb2_grpc.BlockServiceStub
     journal_dir: Path
+    core_calls: CoreCalls
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +112,8 @@ def server() -> Iterator[Server]:
     journal_dir = tempfile.TemporaryDirectory()
     journal, _ = Journal.open(journal_dir.name, JournalPolicy(snapshot_every_records=300))
     core.attach_journal(journal)
+    core_calls = CoreCalls()
+    core_calls.wrap(core)
     options = ServerOptions(port=0, max_message_bytes=MAX_MESSAGE_BYTES)
     service = start_server(options, register(core, options.max_workers), [SERVICE_NAME])
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}", options=[
@@ -80,7 +121,7 @@ def server() -> Iterator[Server]:
     stub = block_pb2_grpc.BlockServiceStub(channel)
     stub.CreatePool(block_pb2.CreatePoolRequest(pool_id=POOL, num_blocks=64, block_size=4,
                                                 epoch=1))
-    yield Server(core, channel, stub, Path(journal_dir.name))
+    yield Server(core, channel, stub, Path(journal_dir.name), core_calls)
     channel.close()
     service.stop(grace_s=0)
     journal.close()
@@ -133,13 +174,44 @@ def known_or(hostile: st.SearchStrategy[str], known: Callable[[], list[str]]
         hostile)
 
 
+Target = tuple[str, str, int]  # (session_id, pool_id, seq_id)
+
+
 def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
     """(method name, request message) for every BlockService method."""
     core = server.core
     session_st = known_or(text_st, lambda: list(core.sessions.open))
     pool_st = known_or(text_st, lambda: [POOL, *core.pools])
     pb = block_pb2
-    tokens_st = sized_ints(int32_st, enormous_one_in=100)
+    # Hostile token lists, or plausible ones: a few distinct ids, so that prompts share
+    # prefixes (cache hits, forks, copy-on-write). Hostile lists alone held a negative id or
+    # were empty so often that Allocate answered OK 2 to 7 times in 2000 examples.
+    plausible_tokens_st = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+    tokens_st = sized_ints(int32_st, enormous_one_in=100) | plausible_tokens_st
+
+    def held() -> list[Target]:
+        """Every sequence the server holds now."""
+        return [(session, pool_id, seq_id) for pool_id, pm in core.pools.items()
+                for session, seqs in pm.seqs.items() for seq_id in seqs]
+
+    # A sequence the server holds (drawn at generation time) half the time: with session, pool
+    # and seq_id drawn apart, Append, Free and Fork never once named an existing sequence in
+    # 2000 examples, so their core code past the lookup went unfuzzed.
+    # (Drawn in the same shape whatever the server holds: Hypothesis replays draws, and a
+    # strategy whose draws depend on outside state is "flaky" to it.)
+    def held_or(i: int, drawn: Target) -> Target:
+        known = held()
+        return known[i % len(known)] if known else drawn
+
+    drawn_target_st = st.tuples(session_st, pool_st, uint64_st)
+    target_st: st.SearchStrategy[Target] = st.one_of(
+        st.builds(held_or, st.integers(0, 1000), drawn_target_st), drawn_target_st)
+    def held_seq_id(i: int) -> int:
+        seq_ids = [0, *(seq_id for _, _, seq_id in held())]
+        return seq_ids[i % len(seq_ids)]
+
+    # Seq ids in Steps: held ones (of any session) or hostile ones.
+    op_seq_st = st.one_of(st.integers(0, 1000).map(held_seq_id), uint64_st)
 
     def step(session: str, pool: str, step_id: int, epoch: int, kinds: list[int],
              seq_ids: list[int], counts: list[int], tokens: list[int], parents: list[int],
@@ -151,27 +223,33 @@ def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
                               num_computed_tokens=computed, cache_salts=salts,
                               num_lookahead_slots=lookaheads)
 
-    def append(session: str, pool: str, seq_id: int, tokens: list[int],
-               computed: int | None) -> pb.AppendRequest:
+    def append(target: Target, tokens: list[int], computed: int | None) -> pb.AppendRequest:
+        session, pool, seq_id = target
         request = pb.AppendRequest(session_id=session, pool_id=pool, seq_id=seq_id,
                                    token_ids=tokens)
         if computed is not None:
             request.num_computed_tokens = computed
         return request
 
-    def free(session: str, pool: str, seq_id: int, computed: int | None) -> pb.FreeRequest:
+    def free(target: Target, computed: int | None) -> pb.FreeRequest:
+        session, pool, seq_id = target
         request = pb.FreeRequest(session_id=session, pool_id=pool, seq_id=seq_id)
         if computed is not None:
             request.num_computed_tokens = computed
         return request
 
+    def fork(target: Target, child: int) -> pb.ForkRequest:
+        session, pool, parent = target
+        return pb.ForkRequest(session_id=session, pool_id=pool, parent_seq_id=parent,
+                              child_seq_id=child)
+
     # Steps: matching column lengths most of the time, so that the operations get applied;
     # num_lookahead_slots mostly 0 or 1 (reserving), sometimes anything, or left empty.
     lookahead_st = st.sampled_from([0, 0, 1, 1, 2]) | uint32_st
     ops_st = st.integers(0, 6).flatmap(lambda n: st.tuples(
-        st.lists(enum_st, min_size=n, max_size=n), st.lists(uint64_st, min_size=n, max_size=n),
+        st.lists(enum_st, min_size=n, max_size=n), st.lists(op_seq_st, min_size=n, max_size=n),
         st.lists(st.integers(0, 3), min_size=n, max_size=n),
-        st.lists(uint64_st, min_size=n, max_size=n),
+        st.lists(op_seq_st, min_size=n, max_size=n),
         st.lists(int64_st, min_size=n, max_size=n),
         st.just([]) | st.lists(lookahead_st, min_size=n, max_size=n)))
 
@@ -179,6 +257,9 @@ def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
                       ops: tuple[list[int], ...], token: int,
                       salts: dict[int, str]) -> pb.StepRequest:
         kinds, seq_ids, counts, parents, computed, lookaheads = ops
+        # Salts only for operations that exist: the free-form Step above sends the others
+        # (and there they stopped almost every matching Step at validation).
+        salts = {index: salt for index, salt in salts.items() if index < len(kinds)}
         return step(session, pool, step_id, epoch, kinds, seq_ids, counts,
                     [token] * sum(counts), parents, computed, salts, lookaheads)
 
@@ -194,10 +275,9 @@ def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
         "GetPool": st.builds(pb.GetPoolRequest, pool_id=pool_st),
         "Allocate": st.builds(pb.AllocateRequest, session_id=session_st, pool_id=pool_st,
                               seq_id=uint64_st, token_ids=tokens_st, cache_salt=text_st),
-        "Append": st.builds(append, session_st, pool_st, uint64_st, tokens_st, computed_opt),
-        "Free": st.builds(free, session_st, pool_st, uint64_st, computed_opt),
-        "Fork": st.builds(pb.ForkRequest, session_id=session_st, pool_id=pool_st,
-                          parent_seq_id=uint64_st, child_seq_id=uint64_st),
+        "Append": st.builds(append, target_st, tokens_st, computed_opt),
+        "Free": st.builds(free, target_st, computed_opt),
+        "Fork": st.builds(fork, target_st, uint64_st),
         "Step": st.one_of(
             st.builds(step, session_st, pool_st, uint64_st, uint64_st, sized_ints(enum_st),
                       sized_ints(uint64_st), sized_ints(uint32_st), tokens_st,
@@ -223,6 +303,44 @@ def call_code(call: Callable[[], Any]) -> grpc.StatusCode:
     return C.OK
 
 
+@dataclass
+class Tally:
+    """What a fuzz test's examples did: how many ran, which got into the core, the codes."""
+
+    runs: int = 0
+    reached_core: int = 0
+    codes: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+    def record(self, server: Server, name: str, call: Callable[[], Any]) -> grpc.StatusCode:
+        """Makes the call; counts it and whether it entered the core. The server handles a
+        call (and counts its core entry) before the answer reaches the client, so the
+        counter has moved by the time `call` returns."""
+        self.runs += 1
+        before = server.core_calls.count
+        code = call_code(call)
+        self.reached_core += server.core_calls.count > before
+        self.codes[name, code.name] += 1
+        assert code not in NEVER, (name, code)
+        return code
+
+    @property
+    def answered_ok(self) -> int:
+        """Examples that passed every check and were carried out (or answered)."""
+        return sum(n for (_, code), n in self.codes.items() if code == C.OK.name)
+
+    def share(self, count: int) -> float:
+        return count / max(1, self.runs)
+
+    def report(self, what: str) -> str:
+        by_method: dict[str, list[str]] = {}
+        for (name, code), n in sorted(self.codes.items()):
+            by_method.setdefault(name, []).append(f"{code} {n}")
+        return (f"{what}: {self.runs} examples, {self.reached_core} "
+                f"({self.share(self.reached_core):.0%}) reached the core, {self.answered_ok} "
+                f"({self.share(self.answered_ok):.0%}) answered OK; "
+                + "; ".join(f"{name}: {', '.join(codes)}" for name, codes in by_method.items()))
+
+
 def assert_still_serving(server: Server) -> None:
     """The server answers, its invariants hold and its journal replays to the same state."""
     check_invariants(server.core)
@@ -235,19 +353,43 @@ def assert_still_serving(server: Server) -> None:
 
 
 # ---- the tests -----------------------------------------------------------------------------
-def test_hostile_messages_get_documented_statuses(server):
+def test_allowed_statuses_exclude_internal_and_unknown() -> None:
+    assert set(ALLOWED) == {method.name for method in SERVICE.methods}
+    for name, codes in ALLOWED.items():
+        assert not codes & NEVER, (name, codes & NEVER)
+
+
+def test_hostile_messages_get_documented_statuses(server: Server) -> None:
+    tally = Tally()
+
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(request=requests(server))
     def fuzz(request: tuple[str, Any]) -> None:
         name, message = request
         if name == "StepStream":
-            code = call_code(lambda: list(server.stub.StepStream(iter([message]), timeout=10)))
+            code = tally.record(server, name, lambda: list(
+                server.stub.StepStream(iter([message]), timeout=10)))
         else:
-            code = call_code(lambda: getattr(server.stub, name)(message, timeout=10))
+            code = tally.record(server, name, lambda: getattr(server.stub, name)(
+                message, timeout=10))
         assert code in ALLOWED[name], (name, code, message)
 
     fuzz()
+    report = tally.report("messages")
+    print(report)
+    # Every example the settings allow ran: nothing filters or assumes examples away, and
+    # the space of messages is far too large for Hypothesis to exhaust it and stop early.
+    assert tally.runs == EXAMPLES, report
+    # Only a message over --max-message-bytes (gRPC refuses it) stays out of the core:
+    # 99.3-100% got in over runs of 50 to 20,000.
+    assert tally.share(tally.reached_core) >= 0.9, report
+    # Past every check: 13-16% over runs of 1000 to 20,000 (a third of the names are
+    # hostile, and the server holds few sequences). Hypothesis starts with its simplest
+    # examples (the first method, empty names), so a short run sits lower (0-2% of 50):
+    # checked from 1000 on.
+    if tally.runs >= 1000:
+        assert tally.share(tally.answered_ok) >= 0.05, report
     assert_still_serving(server)
 
 
@@ -255,7 +397,55 @@ def test_hostile_messages_get_documented_statuses(server):
 INVALID_UTF8 = [b"\x0a\x02\xff\xfe", b"\x0a\x01\x80", b"\x0a\x03\xed\xa0\x80"]
 
 
-def test_raw_bytes_get_documented_statuses(server):
+def seed_requests(session_id: str, closable_id: str) -> dict[str, bytes]:
+    """Per method, the bytes of one request the server would carry out (for `session_id`
+    and POOL), for the raw-bytes fuzzer to mutate. CloseSession names another session,
+    `closable_id`: closing `session_id` would make every later seed NOT_FOUND."""
+    pb = block_pb2
+    step = pb.StepRequest(session_id=session_id, pool_id=POOL, step_id=1, epoch=1,
+                          op_kinds=[pb.OP_KIND_ALLOCATE, pb.OP_KIND_APPEND],
+                          seq_ids=[1002, 1000], token_counts=[3, 1], token_ids=[1, 2, 3, 4],
+                          parent_seq_ids=[0, 0], num_computed_tokens=[0, 5])
+    seeds: dict[str, Any] = {
+        "OpenSession": pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=60_000),
+        "KeepAlive": pb.KeepAliveRequest(session_id=session_id),
+        "CloseSession": pb.CloseSessionRequest(session_id=closable_id),
+        "CreatePool": pb.CreatePoolRequest(pool_id=POOL, num_blocks=64, block_size=4,
+                                           epoch=1),
+        "GetPool": pb.GetPoolRequest(pool_id=POOL),
+        "Allocate": pb.AllocateRequest(session_id=session_id, pool_id=POOL, seq_id=1000,
+                                       token_ids=[1, 2, 3, 4, 5]),
+        "Append": pb.AppendRequest(session_id=session_id, pool_id=POOL, seq_id=1000,
+                                   token_ids=[6]),
+        "Free": pb.FreeRequest(session_id=session_id, pool_id=POOL, seq_id=1000),
+        "Fork": pb.ForkRequest(session_id=session_id, pool_id=POOL, parent_seq_id=1000,
+                               child_seq_id=1001),
+        "Step": step, "StepStream": step,
+        "MatchPrefix": pb.MatchPrefixRequest(pool_id=POOL, token_ids=[1, 2, 3, 4]),
+        "GetStats": pb.GetStatsRequest(pool_id=POOL),
+    }
+    return {name: message.SerializeToString() for name, message in seeds.items()}
+
+
+def mutated(seed: bytes) -> st.SearchStrategy[bytes]:
+    """`seed` as is, with one byte changed, inserted or cut off at some point, or with bytes
+    appended (unknown fields, a field repeated, a truncated field)."""
+    def mutate(kind: str, at: int, byte: int, tail: bytes) -> bytes:
+        at %= len(seed) + 1
+        if kind == "change" and at < len(seed):
+            return seed[:at] + bytes([byte]) + seed[at + 1:]
+        if kind == "insert":
+            return seed[:at] + bytes([byte]) + seed[at:]
+        if kind == "cut":
+            return seed[:at]
+        if kind == "append":
+            return seed + tail
+        return seed
+    return st.builds(mutate, st.sampled_from(["as is", "change", "insert", "cut", "append"]),
+                     st.integers(0, 255), st.integers(0, 255), st.binary(max_size=16))
+
+
+def test_raw_bytes_get_documented_statuses(server: Server) -> None:
     def raw_call(method: Any) -> Callable[[bytes], Any]:
         path = f"/{SERVICE_NAME}/{method.name}"
         if method.client_streaming:
@@ -265,16 +455,39 @@ def test_raw_bytes_get_documented_statuses(server):
         return lambda data: unary(data, timeout=10)
 
     methods = {method.name: raw_call(method) for method in SERVICE.methods}
+    tally = Tally()
+    examples = max(500, EXAMPLES // 2)
+    # Random bytes rarely parse (5% reached the core in 1000 examples): mutations of requests
+    # that do parse (half the examples) test the parser's edge (a length cut short, a wrong
+    # wire type, a field twice) and reach the core with near-valid values.
+    session_id, closable_id = (server.stub.OpenSession(block_pb2.OpenSessionRequest(
+        client_name="raw", lease_ttl_ms=60_000), timeout=10).session_id for _ in range(2))
+    seeds = seed_requests(session_id, closable_id)
+    assert set(seeds) == set(methods)
 
-    @settings(max_examples=max(500, EXAMPLES // 2), deadline=None, database=None,
+    # One branch per method (a flatmap from the name generated a third slower).
+    request_st = st.one_of([
+        st.tuples(st.just(name), st.one_of(st.binary(max_size=64), st.sampled_from(INVALID_UTF8),
+                                           mutated(seeds[name]), mutated(seeds[name])))
+        for name in sorted(methods)])
+
+    @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(name=st.sampled_from(sorted(methods)),
-           data=st.one_of(st.binary(max_size=64), st.sampled_from(INVALID_UTF8)))
-    def fuzz(name: str, data: bytes) -> None:
-        code = call_code(lambda: methods[name](data))
+    @given(request=request_st)
+    def fuzz(request: tuple[str, bytes]) -> None:
+        name, data = request
+        code = tally.record(server, name, lambda: methods[name](data))
         assert code in ALLOWED[name], (name, code, data)
 
     fuzz()
+    report = tally.report("raw bytes")
+    print(report)
+    assert tally.runs == examples, report  # as in the test above
+    # Random bytes seldom parse, mutated requests often do: 27-33% of 1000 (30% of 500 and
+    # of 10,000) got into the core, 11-18% were answered OK. The minimums leave room for
+    # chance at 500.
+    assert tally.share(tally.reached_core) >= 0.15, report
+    assert tally.share(tally.answered_ok) >= 0.05, report
     assert_still_serving(server)
 
 
