@@ -340,6 +340,9 @@ class Scheduler:
             outcome.failed.append((child, result.error or "fork failed"))
             return False
         child.block_table = list(result.table_ids)
+        # The child was admitted with its parent: a later re-admission (after preemption)
+        # must not report a cache hit that counts the child's own generated tokens.
+        child.num_cached_at_admission = parent.num_cached_at_admission
         child.admit_order = next(self._admit_counter)
         child.status = SeqStatus.RUNNING
         self.running.append(child)

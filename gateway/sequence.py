@@ -69,7 +69,8 @@ class Sequence:
     # Slots of the positions slot_start .. num_registered - 1, from the allocation.
     prefill_slots: list[int] = field(default_factory=list)
     prefill_slot_start: int = 0
-    num_cached_at_admission: int | None = None  # prefix-cache hit of the first allocation
+    # The prompt's cache hit at admission; a fork child's is its parent's (set at the fork).
+    num_cached_at_admission: int | None = None
     # Its length when it ends by length (max_tokens, or the model's length): a decode whose
     # pending token reaches it is not planned (it would compute a token nobody takes).
     max_num_tokens: int = sys.maxsize

@@ -163,6 +163,25 @@ def test_preemption_recomputes_and_keeps_outputs_unchanged(
         small.close()
 
 
+def test_a_preempted_fork_child_reports_no_cache_hit_of_its_own_tokens(
+        tokenizer: Tokenizer, block_service: ServiceProcess) -> None:
+    # 8 blocks of 4 tokens cannot hold 8 children of 2 + 12 tokens: children are preempted
+    # and re-admitted, and their re-admission finds their own generated tokens cached. That is
+    # not a prompt cache hit (the fuzz found usage.cached_tokens 4 for a 2-token prompt).
+    small = Stack(tokenizer, block_service, num_blocks=8, epoch=21, max_tokens_limit=16,
+                  max_n=8, max_num_seqs=8, max_num_batched_tokens=64)
+    try:
+        before = preemptions()
+        result = small.client.complete(token_ids=[1000, 1003], max_tokens=12, n=8,
+                                       temperature=0.5, seed=5)
+        assert preemptions() > before
+        assert result.usage.prompt_tokens == 2
+        assert result.usage.cached_tokens == 0
+        assert small.wait_idle().used_blocks == 0
+    finally:
+        small.close()
+
+
 def test_runner_restart_recomputes_in_flight_requests(
         tokenizer: Tokenizer, block_service: ServiceProcess) -> None:
     restarting = Stack(tokenizer, block_service, num_blocks=64, epoch=11)

@@ -166,6 +166,23 @@ def test_fork_parent_prefills_all_but_the_last_token_then_forks_and_appends_it()
     assert scheduler.running == [parent, c1, c2] and parent.pending_children == []
 
 
+def test_a_forked_child_readmitted_reports_no_cache_hit_of_its_own() -> None:
+    # The cache hit a request reports is its prompt's at admission; a fork child is admitted
+    # with its parent, so when it is admitted again (recompute) its own tokens found cached
+    # are no prompt cache hit.
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8)
+    parent, child = make_seq("r", 6, 0), make_seq("r", 6, 1)
+    parent.pending_children = [child]
+    scheduler.add([parent])
+    assert run_step(scheduler, scheduler.schedule()).newly_cached == [(parent, 0)]
+    run_step(scheduler, scheduler.schedule())  # the fork
+    run_step(scheduler, scheduler.schedule())  # a decode: both have generated tokens
+    scheduler.reset_all()
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == [parent, child]
+    assert run_step(scheduler, plan, ok_results(plan, cached=8)).newly_cached == []
+
+
 def test_seats_count_children_still_to_fork() -> None:
     scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=3)
     parent = make_seq("r", 4)
