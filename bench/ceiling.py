@@ -18,10 +18,9 @@ from gpu_runner.runner import ModelRunner
 
 def replay(runner: ModelRunner, path: Path) -> float:
     """Executes the recorded batches; returns the seconds they took. The batches of one
-    recording write every K/V they read, so one runner can replay several recordings."""
+    recording write every K/V they read, so one runner can replay several recordings. No
+    warm-up of its own: serve_bench warms the runner once, as it warms every engine."""
     batches = [ExecuteBatch.from_proto(request) for request in read_recorded(path)]
-    if batches:
-        runner.execute(batches[0])  # warm-up; writing the same K/V again changes nothing
     start = time.perf_counter()
     for batch in batches:
         runner.execute(batch)

@@ -66,7 +66,15 @@ from bench.serve_report import (  # noqa: E402
     markdown,
 )
 from bench.timing import RunSummary, run_workload  # noqa: E402
-from bench.w1 import W1_ROUNDS, WARM_UP, W1Engine, W1Row, check_counts, run_rounds  # noqa: E402
+from bench.w1 import (  # noqa: E402
+    W1_ROUNDS,
+    WARM_UP,
+    W1Engine,
+    W1Row,
+    check_counts,
+    round_seed,
+    run_rounds,
+)
 from bench.workloads import BenchRequest  # noqa: E402
 from common.model_store import resolve_model  # noqa: E402
 from gateway.launcher import LaunchConfig, Launcher, free_port  # noqa: E402
@@ -93,7 +101,8 @@ class Results:
         self.json_path = folder / "serve_bench.json"
         self.data: dict[str, Any] = {
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "w1": {"rounds": W1_ROUNDS, "seeds": list(range(W1_ROUNDS)), "rows": []},
+            "w1": {"rounds": W1_ROUNDS, "seeds": [round_seed(i) for i in range(W1_ROUNDS)],
+                   "rows": []},
             "pagewire": {}}
         self.w1_rows: list[W1Row] = []
 
@@ -110,7 +119,7 @@ class Results:
 
     def failures(self) -> list[str]:
         return [f"{row.name}: {row.status}" for row in self.w1_rows
-                if row.status.startswith(("failed", "timed out"))]
+                if row.status.startswith("failed")]
 
 
 def _progress(label: str, total: int) -> tqdm:
@@ -165,7 +174,9 @@ class PagewireW1:
         self._address, self._metrics_port, self._final_only = address, metrics_port, final_only
         self._how = "offline" if final_only else "streamed"
         self._ceiling = ceiling
-        self.row = W1Row(PAGEWIRE if final_only else STREAMED, processes_started=3,
+        # The streamed way starts nothing: it runs on the offline way's three processes.
+        self.row = W1Row(PAGEWIRE if final_only else STREAMED,
+                         processes_started=3 if final_only else 0,
                          warm_up=WARM_UP if final_only else "the offline row's (same processes)")
         self.ceiling_row = W1Row(CEILING, processes_started=1, warm_up=(
             "a replay of the warm-up's batches (same runner for all rounds)"))
@@ -201,12 +212,21 @@ class PagewireW1:
         self.windows.append((before, step_profile.take_snapshot(self._metrics_port)))
         check_counts(label, salted, [t.output_tokens for t in summary.timings])
         self.row.add_round(summary.seconds, summary.output_tokens)
-        if self._ceiling:
-            self.ceiling_row.settle()
+        if self._ceiling and not self.ceiling_row.status:
+            self._replay(round_index, summary.output_tokens)
+
+    def _replay(self, round_index: int, output_tokens: int) -> None:
+        """The ceiling's run: the offline run's batches again, so its tokens are that run's."""
+        assert self._ceiling is not None
+        self.ceiling_row.settle()
+        try:
             with _progress(f"W1 ceiling (replay), round {round_index + 1}", 1) as bar:
                 replay_s = replay(*self._ceiling)
                 bar.update(1)
-            self.ceiling_row.add_round(replay_s, summary.output_tokens)
+            self.ceiling_row.add_round(replay_s, output_tokens)
+        except Exception as error:  # the ceiling alone fails; pagewire's rows go on
+            print(f"*** W1 ceiling failed: {error!r} ***", file=sys.stderr)
+            self.ceiling_row.status = f"failed in round {round_index + 1}: {error!r}"
 
     def profile(self) -> dict[str, Any]:
         return step_profile.profile(self.windows, sum(self.row.round_seconds),
@@ -234,12 +254,21 @@ class PeerW1:
         self.rows = [self.row]
 
     def _run(self, label: str, requests: list[BenchRequest]) -> tuple[float, int]:
+        """One run; a failed one ends the peer's process at once: it must not hold its memory
+        (or, idle, any CPU) through the other engines' runs."""
         assert self._process is not None
-        outcome = self._process.run(label, [PeerRequest(r.prompt_token_ids, r.max_tokens)
-                                            for r in requests], self._timeout_s)
-        if outcome.status:
-            raise RuntimeError(outcome.status)
-        check_counts(label, requests, outcome.output_tokens)
+        try:
+            outcome = self._process.run(label, [PeerRequest(r.prompt_token_ids, r.max_tokens)
+                                                for r in requests], self._timeout_s)
+            if outcome.status:
+                raise RuntimeError(outcome.status)
+            if not 0 < outcome.seconds <= outcome.wall_s:
+                raise RuntimeError(f"{label}: the peer says it took {outcome.seconds} s of a run "
+                                   f"that took {outcome.wall_s:.1f} s from request to answer")
+            check_counts(label, requests, outcome.output_tokens)
+        except Exception:
+            self.close()
+            raise
         self.row.settings = outcome.settings
         return outcome.seconds, sum(outcome.output_tokens)
 
@@ -276,14 +305,16 @@ def make_peers(model_dir: Path, stages: list[str], timeout_s: float,
 
 def run_w1(engines: list[W1Engine], results: Results) -> None:
     results.w1_rows[:0] = [row for engine in engines for row in engine.rows]
-    run_rounds(engines, after_run=results.save)
+    results.data["w1"]["orders"] = run_rounds(engines, W1_ROUNDS, after_run=results.save)
+    results.save()
 
 
 def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results,
                  peers: list[PeerW1]) -> None:
     """W1 with the peers, then W2 and W3, through the three services as processes, each saved
     as it ends."""
-    record_path = Path(tempfile.mkdtemp(prefix="pagewire-ceiling-")) / "batches.recording"
+    recording = tempfile.TemporaryDirectory(prefix="pagewire-ceiling-")
+    record_path = Path(recording.name) / "batches.recording"
     config = launch_config(["--record-batches", str(record_path)])
     launcher = Launcher(config)
     try:
@@ -314,6 +345,7 @@ def run_pagewire(args: argparse.Namespace, model_dir: Path, results: Results,
     finally:
         launcher.request_stop()
         launcher.stop()
+        recording.cleanup()
 
 
 def run_online(address: str, rates: list[float], duration_s: float,

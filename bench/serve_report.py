@@ -19,10 +19,11 @@ _ROW_LABELS = {
 }
 
 
-def _ratio_text(ratio: Ratio | None) -> str:
+def _ratio_text(ratio: Ratio | None, rounds: int) -> str:
     if ratio is None:
         return "—"
-    return f"{ratio.median:.2f} ({ratio.low:.2f}–{ratio.high:.2f})"
+    text = f"{ratio.median:.2f} ({ratio.low:.2f}–{ratio.high:.2f})"
+    return text if ratio.rounds == rounds else f"{text}, {ratio.rounds} of {rounds} rounds"
 
 
 def _rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -30,8 +31,10 @@ def _rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def ratio_against(results: dict[str, Any], numerator: str, name: str) -> Ratio | None:
+    """Per-round ratios of two rows, neither of which failed: a row that failed stops
+    measuring, so its rounds are the first ones and pair with the other's by position."""
     rows = _rows(results)
-    if numerator not in rows or name not in rows:
+    if any(key not in rows or rows[key]["status"] for key in (numerator, name)):
         return None
     return per_round_ratio(rows[numerator]["round_tokens_per_s"],
                            rows[name]["round_tokens_per_s"])
@@ -41,8 +44,8 @@ def _w1_table(results: dict[str, Any]) -> list[str]:
     w1 = results.get("w1")
     if not w1:
         return []
-    rows = _rows(results)
-    lines = [f"| W1 offline throughput (32 requests, {w1['rounds']} rounds) | output tok/s | "
+    rows, rounds = _rows(results), w1["rounds"]
+    lines = [f"| W1 offline throughput (32 requests, {rounds} rounds) | output tok/s | "
              "tok/s per round | pagewire ÷ row: median of rounds (min–max) | verified tokens |",
              "|---|---:|---|---:|---:|"]
     for name, row in rows.items():
@@ -50,13 +53,13 @@ def _w1_table(results: dict[str, Any]) -> list[str]:
         if row["tokens_per_s"] is None or row["status"]:
             lines.append(f"| {label} | {row['status'] or '—'} | | | |")
             continue
-        ratio = _ratio_text(ratio_against(results, PAGEWIRE, name))
+        ratio = _ratio_text(ratio_against(results, PAGEWIRE, name), rounds)
         if name == CEILING:
             ratio += " (efficiency)"
         rates = ", ".join(f"{rate:.1f}" for rate in row["round_tokens_per_s"])
         lines.append(f"| {label} | {row['tokens_per_s']:.1f} | {rates} | {ratio} | "
                      f"{row['verified_tokens']} |")
-    shown = [f"{name} {_ratio_text(ratio_against(results, STREAMED, name))}"
+    shown = [f"{name} {_ratio_text(ratio_against(results, STREAMED, name), rounds)}"
              for name in rows if name not in (PAGEWIRE, STREAMED)
              and ratio_against(results, STREAMED, name)]
     if shown:
@@ -65,10 +68,12 @@ def _w1_table(results: dict[str, Any]) -> list[str]:
 
 
 def _treatment_table(w1: dict[str, Any], rows: dict[str, dict[str, Any]]) -> list[str]:
+    orders = "; ".join(", ".join(order) for order in w1.get("orders", []))
     lines = ["", f"Every row alike: W1's prompts differ per round (seeds {w1['seeds']}) and are "
-             f"the same for every engine within a round; the engines' order rotates by one "
-             "every round; each row's output tokens are counted on the client, request by "
-             "request, and must equal what was asked. How each row was treated:", "",
+             "the same for every engine within a round; each row's output tokens are counted "
+             "on the client, request by request, and must equal what was asked (the ceiling "
+             "replays the offline run's batches: its tokens are that run's). The order of the "
+             f"engines in each round: {orders or '—'}. How each row was treated:", "",
              "| row | processes started | warm-up | settle before each timed run: waits "
              "(s) | timed runs |", "|---|---:|---|---|---:|"]
     for name, row in rows.items():

@@ -8,8 +8,10 @@ each peer):
 - **Settle**: before every timed run, the machine waits (up to QUIET_MAX_S) until its CPUs are
   QUIET_IDLE idle over half a second; each row records how long it waited.
 - **Rounds**: W1_ROUNDS rounds, each with its own seeded prompts (the same for every engine in
-  that round, so no engine's prefix cache finds an earlier round's prompts); the order of the
-  engines rotates by one every round so that the machine's drift hits every engine alike.
+  that round, so no engine's prefix cache finds an earlier round's prompts) and its own order
+  of the engines (round_order), so every engine runs at several positions after several
+  others: neither the machine's drift nor what one engine leaves behind always lands on the
+  same engine.
 - **Verified tokens**: every request's output tokens are counted on the client, request by
   request, and must equal its `max_tokens` (EOS is ignored): an engine that falls short fails
   the bench instead of looking fast.
@@ -37,9 +39,32 @@ QUIET_MAX_S = 60.0
 WARM_UP = f"one untimed W1-sized run (seed {WARM_UP_SEED}) after start"
 
 
+def round_seed(round_index: int) -> int:
+    """A round's seed, of its prompts and of its order of the engines."""
+    return round_index
+
+
 def round_workload(round_index: int) -> list[BenchRequest]:
     """W1 of a round: its own seed, so no round finds another's prompts in a cache."""
-    return workloads.offline_throughput(seed=round_index)
+    return workloads.offline_throughput(seed=round_seed(round_index))
+
+
+def round_order(round_index: int, names: Sequence[str]) -> list[str]:
+    """The order the engines run in, in a round: row `round_index` of a Williams design (first
+    row 0, 1, n-1, 2, n-2, ...; each next row adds one to every entry, mod n). Each engine runs
+    at another position every round, after other engines: over n rounds of an even n, every
+    engine follows every other once. With 5 engines over 4 rounds: a b e c d, b c a d e,
+    c d b e a, d e c a b."""
+    count = len(names)
+    first = [0]
+    low, high = 1, count - 1
+    while len(first) < count:
+        first.append(low)
+        low += 1
+        if len(first) < count:
+            first.append(high)
+            high -= 1
+    return [names[(k + round_index) % count] for k in first]
 
 
 class ShortOutput(RuntimeError):
@@ -100,6 +125,8 @@ class W1Row:
         self.settle_waits_s.append(wait_until_quiet())
 
     def add_round(self, seconds: float, verified_tokens: int) -> None:
+        if seconds <= 0:
+            raise ValueError(f"{self.name}: a run of {seconds} s cannot be a measurement")
         self.round_seconds.append(seconds)
         self.round_tokens.append(verified_tokens)
 
@@ -141,21 +168,24 @@ def _fail(engine: W1Engine, stage: str, error: BaseException) -> None:
         row.status = row.status or why
 
 
-def run_rounds(engines: Sequence[W1Engine], rounds: int = W1_ROUNDS,
-               after_run: Callable[[], None] = lambda: None) -> None:
-    """Warms every engine up, then runs W1_ROUNDS rounds with the engines' order rotated by one
-    each round. A failed engine keeps its status and is not run again; `after_run` is called
-    after every run (to save what is measured so far)."""
+def run_rounds(engines: Sequence[W1Engine], rounds: int,
+               after_run: Callable[[], None] = lambda: None) -> list[list[str]]:
+    """Warms every engine up, then runs `rounds` rounds, each in its own order (round_order).
+    A failed engine keeps its status and is not run again; `after_run` is called after every
+    run (to save what is measured so far). Returns each round's order of the engines' names."""
     for engine in engines:
         try:
             engine.warm_up(workloads.offline_throughput(seed=WARM_UP_SEED))
         except Exception as error:  # the others still run; the bench fails at its end
             _fail(engine, "its warm-up", error)
         after_run()
+    by_name = {engine.rows[0].name: engine for engine in engines}
+    orders = []
     for round_index in range(rounds):
         requests = round_workload(round_index)
-        shift = round_index % len(engines)
-        for engine in [*engines[shift:], *engines[:shift]]:
+        orders.append(round_order(round_index, list(by_name)))
+        for name in orders[-1]:
+            engine = by_name[name]
             if engine.rows[0].status:
                 continue
             try:
@@ -163,6 +193,7 @@ def run_rounds(engines: Sequence[W1Engine], rounds: int = W1_ROUNDS,
             except Exception as error:
                 _fail(engine, f"round {round_index + 1}", error)
             after_run()
+    return orders
 
 
 @dataclass(frozen=True)

@@ -32,16 +32,18 @@ from bench.peers.protocol import (
 _LOG_TAIL_CHARS = 3000
 _TERMINATE_GRACE_S = 10.0
 _CLOSE_WAIT_S = 30.0
+_POLL_S = 1.0
 
 
 @dataclass
 class PeerOutcome:
     """What one peer run gave: a measurement, or why there is none (`status`)."""
 
-    seconds: float = 0.0
+    seconds: float = 0.0  # as the peer timed its run
     output_tokens: list[int] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     status: str = ""
+    wall_s: float = 0.0  # from the run command to the peer's answer, timed here
 
 
 def _stop_group(process: subprocess.Popen[str]) -> None:
@@ -80,9 +82,14 @@ class PeerProcess:
         self._folder = Path(tempfile.mkdtemp(prefix="pagewire-peer-"))
         self._log_path = self._folder / "peer.log"
         self._log = open(self._log_path, "w")  # noqa: SIM115 (the child writes it until close)
-        self._process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            text=True, env=None if env is None else dict(env), start_new_session=True)
+        try:
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                text=True, env=None if env is None else dict(env), start_new_session=True)
+        except OSError:
+            self._log.close()
+            shutil.rmtree(self._folder, ignore_errors=True)
+            raise
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, args=(self._process.stdout,), daemon=True).start()
         self.failed = ""
@@ -107,14 +114,20 @@ class PeerProcess:
             self._process.stdin.flush()
         except BrokenPipeError:
             return self._fail(label, "failed")
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
         with tqdm(total=len(requests), desc=label, unit="req", leave=False,
                   file=sys.stderr) as bar:
             while True:
                 try:
-                    line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+                    line = self._lines.get(timeout=_POLL_S)
                 except queue.Empty:
-                    return self._fail(label, f"timed out after {timeout_s:.0f} s")
+                    # A child that died while what it started holds its stdout open (vLLM's
+                    # engine core) sends no end of file: look at it, not only at the pipe.
+                    if self._process.poll() is not None:
+                        return self._fail(label, "failed")
+                    if time.monotonic() - started > timeout_s:
+                        return self._fail(label, f"timed out after {timeout_s:.0f} s")
+                    continue
                 if line is None:
                     return self._fail(label, "failed")
                 if line == DONE:
@@ -122,8 +135,11 @@ class PeerProcess:
                 finished = parse_progress(line)
                 if finished is not None and finished > bar.n:
                     bar.update(finished - bar.n)
+                else:  # not the protocol: a log line the peer printed on stdout
+                    self._log.write(line + "\n")
         measured = read_result(result)
-        return PeerOutcome(measured.seconds, measured.output_tokens, measured.settings)
+        return PeerOutcome(measured.seconds, measured.output_tokens, measured.settings,
+                           wall_s=time.monotonic() - started)
 
     def _fail(self, label: str, why: str) -> PeerOutcome:
         if self._process.poll() is None:

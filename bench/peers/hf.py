@@ -83,6 +83,11 @@ def static_batching(model: Any, requests: list[PeerRequest]) -> RunResult:
         output_ids = model.generate(input_ids, attention_mask=mask, max_new_tokens=longest,
                                     min_new_tokens=longest, do_sample=False, pad_token_id=pad)
         seconds = time.perf_counter() - start
+    # Every row decodes to the longest output (EOS is suppressed until then): a row's count is
+    # the columns generate returned, at most what its own request asked for.
+    if output_ids.shape[1] - width != longest:
+        raise RuntimeError(f"generate returned {output_ids.shape[1] - width} new tokens per row, "
+                           f"asked for {longest}")
     report_progress(len(requests))
     settings = {"torch_threads": torch.get_num_threads(), "batch_size": len(requests),
                 "attn_implementation": "sdpa"}

@@ -11,8 +11,9 @@ A workload is a list of {"prompt_token_ids": [...], "max_tokens": N}. While a ru
 peer prints `progress K` lines on stdout (K requests finished) for the parent's progress bar;
 at its end it writes {"seconds": ..., "output_tokens": [per request, in workload order],
 "settings": {...}} to the result path and prints `done`. The token counts are what the peer's
-own API handed back for each request; serve_bench checks each against `max_tokens`. Logs go to
-stderr.
+own API handed back for each request; serve_bench checks each against `max_tokens`, and
+checks the seconds against its own clock from command to `done`. Logs go to stderr (a line on
+stdout that is not the protocol's goes to the peer's log too).
 """
 
 from __future__ import annotations
@@ -102,7 +103,3 @@ def serve(engine: Engine) -> None:
             {"seconds": outcome.seconds, "output_tokens": outcome.output_tokens,
              "settings": outcome.settings}))
         print(DONE, flush=True)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

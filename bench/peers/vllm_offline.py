@@ -51,6 +51,8 @@ def _cpu_list() -> str:
 def _thread_settings() -> dict[str, str]:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_list())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    # vLLM logs to stdout by default, where serve_bench reads the protocol.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     names = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")
     return {name: os.environ[name] for name in names if name in os.environ}
 

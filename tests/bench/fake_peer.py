@@ -2,8 +2,9 @@
 
     fake_peer.py MODE PID_FILE MODEL_DIR
 MODE: `ok` (every request gets its max_tokens), `short` (the last request of every run gets
-one token fewer), `crash` (exits 3 at its first run), `hang` (starts a child and sleeps).
-Each result's settings carry the peer's pid, so a test can see one process serve every run.
+one token fewer), `slow-clock` (reports 1000 s for every run), `crash` (exits 3 at its first
+run), `hang` (starts a child and sleeps). Each result's settings carry the peer's pid, so a
+test can see one process serve every run; except in `hang` mode it also writes it to PID_FILE.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from bench.peers.protocol import (  # noqa: E402
 def main() -> None:
     mode, pid_file = sys.argv[1:3]
     model_dir_arg(sys.argv[3:])
+    if mode != "hang":
+        Path(pid_file).write_text(str(os.getpid()))
 
     def run(requests: list[PeerRequest]) -> RunResult:
         if mode == "crash":
@@ -44,7 +47,7 @@ def main() -> None:
             counts[-1] -= 1
         for finished in range(1, len(requests) + 1):
             report_progress(finished)
-        return RunResult(2.0, counts, {"pid": os.getpid()})
+        return RunResult(1000.0 if mode == "slow-clock" else 1e-4, counts, {"pid": os.getpid()})
 
     serve(run)
 

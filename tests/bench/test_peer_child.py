@@ -37,7 +37,8 @@ def test_one_process_serves_every_run_with_its_per_request_counts(tmp_path: Path
         second = peer.run("second", REQUESTS[:1], 30)
     finally:
         peer.close()
-    assert (first.status, first.output_tokens, first.seconds) == ("", [10, 6], 2.0)
+    assert (first.status, first.output_tokens, first.seconds) == ("", [10, 6], 1e-4)
+    assert first.wall_s >= first.seconds
     assert second.output_tokens == [10]
     assert first.settings["pid"] == second.settings["pid"]
     assert not alive(first.settings["pid"])

@@ -1,12 +1,13 @@
 """serve_bench's W1 treats every engine alike: one warm-up each before the rounds, a settle
-before every timed run, the engines' order rotated every round, the same prompts for every
+before every timed run, each round its own order of the engines, the same prompts for every
 engine within a round and new ones each round; every request's tokens are checked, and an
-engine that falls short (a fake peer one token short) fails the bench; ratios are the median
-of per-round ratios with their spread."""
+engine that falls short (a fake peer one token short) fails the bench and is stopped at once;
+ratios are the median of per-round ratios with their spread."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def test_rounds_rotate_warm_up_once_settle_before_every_run_and_share_prompts(
         no_waiting: list[str]) -> None:
     events: list[str] = []
     engines = [FakeEngine(name, events, [1.0, 1.0, 1.0]) for name in "abc"]
-    w1.run_rounds(engines, rounds=3)
+    orders = w1.run_rounds(engines, rounds=3)
 
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     assert events == ["warm a", "warm b", "warm c", "a 0", "b 0", "c 0",
                       "b 1", "c 1", "a 1", "c 2", "a 2", "b 2"]
     assert len(no_waiting) == 9  # one settle per timed run
@@ -75,8 +77,21 @@ def test_a_short_engine_fails_and_the_others_go_on() -> None:
 
     assert short.row.status.startswith("failed in round 2: short: 1 of 32 requests produced")
     assert "request 3" in short.row.status
-    assert events.count("short 2") == 0 and events.count("other 2") == 1
+    assert "short 2" not in events and "other 2" in events
     assert len(short.row.round_tokens) == 1 and len(other.row.round_tokens) == 3
+
+
+def test_every_engine_runs_after_several_others() -> None:
+    names = list("abcde")
+    orders = [w1.round_order(i, names) for i in range(4)]
+    assert orders[:2] == [list("abecd"), list("bcade")]
+    for name in names:
+        positions = {order.index(name) for order in orders}
+        before = {order[order.index(name) - 1] for order in orders if order.index(name)}
+        assert len(positions) == 4 and len(before) >= 2, (name, orders)
+    six = [w1.round_order(i, list("abcdef")) for i in range(6)]
+    follows = {(order[k], order[k + 1]) for order in six for k in range(5)}
+    assert len(follows) == 30  # even n over n rounds: every engine after every other once
 
 
 def test_check_counts_names_the_request() -> None:
@@ -130,11 +145,11 @@ def test_the_offline_way_replays_its_own_batches_on_the_ceiling_right_after_each
     monkeypatch.setattr(serve_bench, "_run", fake_run)
     monkeypatch.setattr(serve_bench, "replay", fake_replay)
     monkeypatch.setattr(step_profile, "take_snapshot", lambda port: empty)
-    monkeypatch.setattr(w1, "W1_ROUNDS", 2)
     offline = serve_bench.PagewireW1("addr", 0, True, (object(), record_path))  # type: ignore[arg-type]
     streamed = serve_bench.PagewireW1("addr", 0, False)
     w1.run_rounds([offline, streamed], rounds=2)
 
+    # The warm-up; round 1: offline, streamed; round 2: streamed, offline.
     assert events == ["offline", "replay", "offline", "replay", "streamed",
                       "streamed", "offline", "replay"]
     assert offline.ceiling_row.round_tokens == offline.row.round_tokens
@@ -168,3 +183,20 @@ def test_a_fake_peer_one_token_short_fails_the_bench(
             ) == ("", 4)  # the other peer was measured in every round
     assert "| transformers static | failed in its warm-up: " in \
         (tmp_path / "serve_bench.md").read_text()
+    assert not alive(int((tmp_path / "hf-static").read_text()))  # stopped when it failed
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_peer_whose_seconds_exceed_the_parents_clock_fails(tmp_path: Path) -> None:
+    command = [sys.executable, str(FAKE_PEER), "slow-clock", str(tmp_path / "pid"), "model"]
+    peer = serve_bench.PeerW1("liar", command, 30)
+    with pytest.raises(RuntimeError, match=r"took 1000\.0 s of a run that took"):
+        peer.warm_up(w1.round_workload(0))
+    assert not alive(int((tmp_path / "pid").read_text()))
