@@ -53,7 +53,8 @@ def _w1_table(results: dict[str, Any]) -> list[str]:
         if row["tokens_per_s"] is None or row["status"]:
             lines.append(f"| {label} | {row['status'] or '—'} | | | |")
             continue
-        ratio = _ratio_text(ratio_against(results, PAGEWIRE, name), rounds)
+        ratio = "1.00" if name == PAGEWIRE else _ratio_text(
+            ratio_against(results, PAGEWIRE, name), rounds)
         if name == CEILING:
             ratio += " (efficiency)"
         rates = ", ".join(f"{rate:.1f}" for rate in row["round_tokens_per_s"])
