@@ -87,6 +87,9 @@ KV_CACHE_BYTES = 2 << 30
 MAX_BATCHED_TOKENS = 2048
 MAX_NUM_SEQS = 256
 PEER_TIMEOUT_S = 600.0
+# A pagewire stream still running after this long fails its run, as a peer's run does after
+# --peer-timeout: a hung service must not hang the bench.
+STREAM_TIMEOUT_S = PEER_TIMEOUT_S
 STAGES = ("pagewire", "ceiling", "hf-static", "hf-cb", "vllm")
 PEER_NAMES = {"hf-static": "transformers static", "hf-cb": "transformers continuous",
               "vllm": "vLLM CPU"}
@@ -129,7 +132,7 @@ def _progress(label: str, total: int) -> tqdm:
 def _run(address: str, label: str, requests: list[BenchRequest],
          allow_errors: bool = False) -> RunSummary:
     with _progress(label, len(requests)) as bar:
-        summary = run_workload(address, requests, bar)
+        summary = run_workload(address, requests, bar, STREAM_TIMEOUT_S)
     if summary.errors and not allow_errors:
         first = next(t.error for t in summary.timings if t.error)
         raise RuntimeError(f"{label}: {summary.errors} requests failed, e.g. {first}")

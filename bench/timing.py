@@ -67,7 +67,7 @@ class RunSummary:
 
 
 async def _stream_one(stub: gateway_pb2_grpc.GenerationServiceStub, request: BenchRequest,
-                      timing: RequestTiming) -> None:
+                      timing: RequestTiming, timeout_s: float | None) -> None:
     try:
         call = stub.Generate(build_request(
             token_ids=request.prompt_token_ids,
@@ -76,7 +76,7 @@ async def _stream_one(stub: gateway_pb2_grpc.GenerationServiceStub, request: Ben
             ignore_eos=True,
             cache_salt=request.cache_salt,
             final_only=request.final_only,
-        ))
+        ), timeout=timeout_s)
         async for message in call:
             timing.messages += 1
             count = sum(len(output.token_ids) for output in message.outputs)
@@ -91,19 +91,22 @@ async def _stream_one(stub: gateway_pb2_grpc.GenerationServiceStub, request: Ben
 
 
 def run_workload(
-    address: str, requests: Sequence[BenchRequest], progress: object | None = None
+    address: str, requests: Sequence[BenchRequest], progress: object | None = None,
+    timeout_s: float | None = None,
 ) -> RunSummary:
-    """Sends every request at its arrival time (0 = at once) on its own stream and waits.
+    """Sends every request at its arrival time (0 = at once) on its own stream and waits. A
+    stream still running `timeout_s` after it was sent ends as an error (DEADLINE_EXCEEDED):
+    a hung server fails the run instead of hanging it.
 
     One asyncio loop drives every stream: the load generator shares the CPU with the system
     under test, and a thread per stream cost the 2-core machine about 2.3 ms of CPU per W1
     step (a wake-up per message).
     """
-    return asyncio.run(_run_workload(address, requests, progress))
+    return asyncio.run(_run_workload(address, requests, progress, timeout_s))
 
 
 async def _run_workload(address: str, requests: Sequence[BenchRequest],
-                        progress: object | None) -> RunSummary:
+                        progress: object | None, timeout_s: float | None) -> RunSummary:
     timings: list[RequestTiming] = []
     streams: list[asyncio.Task[None]] = []
     async with grpc.aio.insecure_channel(address) as channel:
@@ -115,7 +118,7 @@ async def _run_workload(address: str, requests: Sequence[BenchRequest],
                 await asyncio.sleep(delay)
             timing = RequestTiming(sent=time.perf_counter())
             timings.append(timing)
-            stream = asyncio.create_task(_stream_one(stub, request, timing))
+            stream = asyncio.create_task(_stream_one(stub, request, timing, timeout_s))
             if progress is not None:
                 stream.add_done_callback(
                     lambda _: progress.update(1))  # type: ignore[attr-defined]

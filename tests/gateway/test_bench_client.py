@@ -56,3 +56,10 @@ def test_a_final_only_request_counts_its_tokens_from_one_message(stack: Stack) -
     summary = run_workload(f"127.0.0.1:{stack.gateway.service.port}", requests)
     timing = summary.timings[0]
     assert summary.errors == 0 and timing.output_tokens == 6 and timing.messages == 1
+
+
+def test_a_stream_past_its_deadline_is_an_error_not_a_hang(stack: Stack) -> None:
+    requests = [BenchRequest([500, 501], max_tokens=8)]
+    summary = run_workload(f"127.0.0.1:{stack.gateway.service.port}", requests,
+                           timeout_s=1e-6)
+    assert summary.errors == 1 and "DEADLINE_EXCEEDED" in summary.timings[0].error
