@@ -142,7 +142,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         if which == "prompt":
             if not request.prompt:
                 raise InvalidRequest("the prompt is empty")
-            return self._tokenizer.encode(request.prompt)
+            token_ids = self._tokenizer.encode(request.prompt)
+            if not token_ids:  # characters the vocabulary has no token for are dropped
+                raise InvalidRequest("the prompt has no tokens after tokenization: the model's "
+                                     "vocabulary has none for its characters")
+            return token_ids
         if which == "messages":
             messages = _chat_messages(request.messages)
             try:

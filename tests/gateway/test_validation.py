@@ -74,6 +74,14 @@ def test_invalid_request_is_invalid_argument_and_changes_nothing(
     assert stack.stats().prompt_tokens == stats_before.prompt_tokens
 
 
+def test_a_text_without_tokens_says_so(stack: Stack) -> None:
+    # SmolLM2's vocabulary has no token for these control characters: the tokenizer drops them.
+    with pytest.raises(grpc.RpcError) as error:
+        stack.client.complete(prompt="\x04\x06", max_tokens=2)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no tokens after tokenization" in (error.value.details() or "")
+
+
 def test_no_input_at_all_is_invalid_argument(stack: Stack) -> None:
     with pytest.raises(grpc.RpcError) as error:
         list(stack.client.stub.Generate(gateway_pb2.GenerateRequest()))
