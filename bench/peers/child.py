@@ -113,7 +113,7 @@ class PeerProcess:
             self._process.stdin.write(run_command(workload, result))
             self._process.stdin.flush()
         except BrokenPipeError:
-            return self._fail(label, "failed")
+            return self._fail(label)
         started = time.monotonic()
         with tqdm(total=len(requests), desc=label, unit="req", leave=False,
                   file=sys.stderr) as bar:
@@ -124,12 +124,12 @@ class PeerProcess:
                     # A child that died while what it started holds its stdout open (vLLM's
                     # engine core) sends no end of file: look at it, not only at the pipe.
                     if self._process.poll() is not None:
-                        return self._fail(label, "failed")
+                        return self._fail(label)
                     if time.monotonic() - started > timeout_s:
                         return self._fail(label, f"timed out after {timeout_s:.0f} s")
                     continue
                 if line is None:
-                    return self._fail(label, "failed")
+                    return self._fail(label)
                 if line == DONE:
                     break
                 finished = parse_progress(line)
@@ -141,11 +141,13 @@ class PeerProcess:
         return PeerOutcome(measured.seconds, measured.output_tokens, measured.settings,
                            wall_s=time.monotonic() - started)
 
-    def _fail(self, label: str, why: str) -> PeerOutcome:
+    def _fail(self, label: str, timed_out: str = "") -> PeerOutcome:
+        """Ends the peer for good: it timed out (`timed_out` says how) or it exited."""
         if self._process.poll() is None:
             _stop_group(self._process)
         _end_leftovers(self._process.pid)
-        if why == "failed":
+        why = timed_out
+        if not why:
             why = f"failed (exit code {self._process.returncode})"
             print(f"{label} {why}; the end of its log:\n{self.log_tail()}", file=sys.stderr)
         self.failed = why

@@ -28,6 +28,11 @@ from bench.peers.protocol import (  # noqa: E402
 )
 
 
+def command(mode: str, pid_file: Path, model_dir: str = "model") -> list[str]:
+    """The command line that starts this fake peer (serve_bench adds nothing to it)."""
+    return [sys.executable, str(Path(__file__).resolve()), mode, str(pid_file), model_dir]
+
+
 def main() -> None:
     mode, pid_file = sys.argv[1:3]
     model_dir_arg(sys.argv[3:])

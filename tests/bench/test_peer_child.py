@@ -4,29 +4,20 @@ failed, and never stalls the bench."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from pathlib import Path
 
 from bench.peers.child import PeerProcess
 from bench.peers.protocol import PeerRequest
+from tests.bench import fake_peer as fake_peer_script
+from tests.helpers.services import pid_alive
 
-FAKE_PEER = Path(__file__).with_name("fake_peer.py")
 REQUESTS = [PeerRequest([1, 2, 3], 10), PeerRequest([4], 6)]
 
 
 def fake_peer(tmp_path: Path, mode: str) -> tuple[list[str], Path]:
     pid_file = tmp_path / f"{mode}.pid"
-    return [sys.executable, str(FAKE_PEER), mode, str(pid_file), "model"], pid_file
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return fake_peer_script.command(mode, pid_file), pid_file
 
 
 def test_one_process_serves_every_run_with_its_per_request_counts(tmp_path: Path) -> None:
@@ -41,7 +32,7 @@ def test_one_process_serves_every_run_with_its_per_request_counts(tmp_path: Path
     assert first.wall_s >= first.seconds
     assert second.output_tokens == [10]
     assert first.settings["pid"] == second.settings["pid"]
-    assert not alive(first.settings["pid"])
+    assert not pid_alive(first.settings["pid"])
 
 
 def test_a_crashed_peer_is_reported_with_its_exit_code_and_stays_failed(tmp_path: Path) -> None:
@@ -65,6 +56,6 @@ def test_a_hung_peer_and_its_children_are_stopped_at_the_time_limit(tmp_path: Pa
     assert time.monotonic() - started < 25
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while alive(grandchild) and time.monotonic() < deadline:
+    while pid_alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(grandchild)
+    assert not pid_alive(grandchild)

@@ -7,7 +7,6 @@ ratios are the median of per-round ratios with their spread."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,8 +16,8 @@ from bench import serve_bench, step_profile, w1, workloads
 from bench.serve_report import markdown
 from bench.timing import RequestTiming, RunSummary
 from bench.workloads import BenchRequest
-
-FAKE_PEER = Path(__file__).with_name("fake_peer.py")
+from tests.bench import fake_peer
+from tests.helpers.services import pid_alive
 
 
 @pytest.fixture(autouse=True)
@@ -161,7 +160,7 @@ def test_a_fake_peer_one_token_short_fails_the_bench(
 ) -> None:
     def fake_command(key: str, model_dir: Path) -> list[str]:
         mode = "short" if key == "hf-static" else "ok"
-        return [sys.executable, str(FAKE_PEER), mode, str(tmp_path / key), str(model_dir)]
+        return fake_peer.command(mode, tmp_path / key, str(model_dir))
 
     monkeypatch.setattr(serve_bench, "_peer_command", fake_command)
     monkeypatch.setattr(serve_bench, "resolve_model", lambda name: tmp_path)
@@ -183,20 +182,11 @@ def test_a_fake_peer_one_token_short_fails_the_bench(
             ) == ("", 4)  # the other peer was measured in every round
     assert "| transformers static | failed in its warm-up: " in \
         (tmp_path / "serve_bench.md").read_text()
-    assert not alive(int((tmp_path / "hf-static").read_text()))  # stopped when it failed
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert not pid_alive(int((tmp_path / "hf-static").read_text()))  # stopped when it failed
 
 
 def test_a_peer_whose_seconds_exceed_the_parents_clock_fails(tmp_path: Path) -> None:
-    command = [sys.executable, str(FAKE_PEER), "slow-clock", str(tmp_path / "pid"), "model"]
-    peer = serve_bench.PeerW1("liar", command, 30)
+    peer = serve_bench.PeerW1("liar", fake_peer.command("slow-clock", tmp_path / "pid"), 30)
     with pytest.raises(RuntimeError, match=r"took 1000\.0 s of a run that took"):
         peer.warm_up(w1.round_workload(0))
-    assert not alive(int((tmp_path / "pid").read_text()))
+    assert not pid_alive(int((tmp_path / "pid").read_text()))

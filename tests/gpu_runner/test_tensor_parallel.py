@@ -22,7 +22,7 @@ from gpu_runner.distributed import ShardSpec, TensorParallelError, check_tensor_
 from protos import runner_pb2, runner_pb2_grpc
 from tests.gpu_runner.conftest import load_oracle
 from tests.helpers.paged_driver import PagedDriver, batch_to_proto
-from tests.helpers.services import ServiceProcess, health_status
+from tests.helpers.services import ServiceProcess, health_status, pid_alive
 
 BLOCK_SIZE = 16
 STEPS = 5
@@ -127,23 +127,15 @@ def test_killed_worker_turns_health_not_serving(runners: dict) -> None:
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_stopping_the_runner_stops_its_workers(runners: dict) -> None:
     process = runners[("stop", 2)]
     worker = _worker_pid(process)
-    assert _alive(worker)
+    assert pid_alive(worker)
     assert process.terminate(timeout_s=30) == 0
     deadline = time.monotonic() + 15
-    while _alive(worker) and time.monotonic() < deadline:
+    while pid_alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(worker)
+    assert not pid_alive(worker)
 
 
 # ---- shape rules (no processes) ----

@@ -19,6 +19,15 @@ from gateway.launcher import free_port as free_port  # re-exported for the tests
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id still exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def health_status(address: str, timeout_s: float = 1.0) -> int | None:
     """The overall health status of the server at `address`, or None if it does not answer."""
     with grpc.insecure_channel(address) as channel:
