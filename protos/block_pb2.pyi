@@ -25,6 +25,13 @@ class OpStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_STATUS_NOT_FOUND: _ClassVar[OpStatus]
     OP_STATUS_ALREADY_EXISTS: _ClassVar[OpStatus]
     OP_STATUS_STALE: _ClassVar[OpStatus]
+
+class RoutingPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUTING_POLICY_UNSPECIFIED: _ClassVar[RoutingPolicy]
+    ROUTING_POLICY_PREFIX: _ClassVar[RoutingPolicy]
+    ROUTING_POLICY_LEAST_LOADED: _ClassVar[RoutingPolicy]
+    ROUTING_POLICY_ROUND_ROBIN: _ClassVar[RoutingPolicy]
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_ALLOCATE: OpKind
 OP_KIND_APPEND: OpKind
@@ -38,6 +45,10 @@ OP_STATUS_INVALID_ARGUMENT: OpStatus
 OP_STATUS_NOT_FOUND: OpStatus
 OP_STATUS_ALREADY_EXISTS: OpStatus
 OP_STATUS_STALE: OpStatus
+ROUTING_POLICY_UNSPECIFIED: RoutingPolicy
+ROUTING_POLICY_PREFIX: RoutingPolicy
+ROUTING_POLICY_LEAST_LOADED: RoutingPolicy
+ROUTING_POLICY_ROUND_ROBIN: RoutingPolicy
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("client_name", "lease_ttl_ms")
@@ -110,16 +121,18 @@ class GetPoolResponse(_message.Message):
     def __init__(self, pool: _Optional[_Union[Pool, _Mapping]] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "epoch")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "epoch", "address")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     block_size: int
     epoch: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    address: str
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("session_id", "pool_id", "seq_id", "token_ids", "cache_salt")
@@ -218,7 +231,7 @@ class ForkResponse(_message.Message):
     def __init__(self, block_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "step_id", "epoch", "op_kinds", "seq_ids", "token_counts", "token_ids", "parent_seq_ids", "num_computed_tokens", "cache_salts", "num_lookahead_slots")
+    __slots__ = ("session_id", "pool_id", "step_id", "epoch", "op_kinds", "seq_ids", "token_counts", "token_ids", "parent_seq_ids", "num_computed_tokens", "cache_salts", "num_lookahead_slots", "num_waiting_tokens")
     class CacheSaltsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +251,7 @@ class StepRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool_id: str
     step_id: int
@@ -250,7 +264,8 @@ class StepRequest(_message.Message):
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_salts: _containers.ScalarMap[int, str]
     num_lookahead_slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_seq_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., cache_salts: _Optional[_Mapping[int, str]] = ..., num_lookahead_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_waiting_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., op_kinds: _Optional[_Iterable[_Union[OpKind, str]]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_seq_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., cache_salts: _Optional[_Mapping[int, str]] = ..., num_lookahead_slots: _Optional[_Iterable[int]] = ..., num_waiting_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "op_statuses", "num_cached_tokens", "table_starts", "table_counts", "table_block_ids", "slot_counts", "slot_mapping", "copies", "errors", "epoch")
@@ -314,7 +329,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[Stats, _Mapping]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("pool_id", "epoch", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "num_sequences", "num_sessions", "prompt_tokens", "cached_prompt_tokens", "evictions", "copies", "no_space", "total_refs")
+    __slots__ = ("pool_id", "epoch", "total_blocks", "free_blocks", "used_blocks", "cached_evictable_blocks", "num_sequences", "num_sessions", "prompt_tokens", "cached_prompt_tokens", "evictions", "copies", "no_space", "total_refs", "appended_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +344,7 @@ class Stats(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     NO_SPACE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_REFS_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     total_blocks: int
@@ -343,4 +359,149 @@ class Stats(_message.Message):
     copies: int
     no_space: int
     total_refs: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_sessions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., copies: _Optional[int] = ..., no_space: _Optional[int] = ..., total_refs: _Optional[int] = ...) -> None: ...
+    appended_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_evictable_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_sessions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., copies: _Optional[int] = ..., no_space: _Optional[int] = ..., total_refs: _Optional[int] = ..., appended_tokens: _Optional[int] = ...) -> None: ...
+
+class RegisterRunnerRequest(_message.Message):
+    __slots__ = ("pool_id", "address", "num_blocks", "block_size", "epoch", "lease_ttl_ms")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    address: str
+    num_blocks: int
+    block_size: int
+    epoch: int
+    lease_ttl_ms: int
+    def __init__(self, pool_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterRunnerResponse(_message.Message):
+    __slots__ = ("pool", "lease_ttl_ms")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    pool: Pool
+    lease_ttl_ms: int
+    def __init__(self, pool: _Optional[_Union[Pool, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ListRunnersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRunnersResponse(_message.Message):
+    __slots__ = ("runners",)
+    RUNNERS_FIELD_NUMBER: _ClassVar[int]
+    runners: _containers.RepeatedCompositeFieldContainer[RunnerLoad]
+    def __init__(self, runners: _Optional[_Iterable[_Union[RunnerLoad, _Mapping]]] = ...) -> None: ...
+
+class RunnerLoad(_message.Message):
+    __slots__ = ("pool", "free_blocks", "num_sequences", "queued_tokens", "load_tokens")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool: Pool
+    free_blocks: int
+    num_sequences: int
+    queued_tokens: int
+    load_tokens: int
+    def __init__(self, pool: _Optional[_Union[Pool, _Mapping]] = ..., free_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., load_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("client_name", "token_ids", "cache_salt", "policy", "num_seqs", "pool_ids")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    policy: RoutingPolicy
+    num_seqs: int
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_name: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., policy: _Optional[_Union[RoutingPolicy, str]] = ..., num_seqs: _Optional[int] = ..., pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("pool_id", "candidates")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
+    def __init__(self, pool_id: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ...) -> None: ...
+
+class RouteCandidate(_message.Message):
+    __slots__ = ("pool_id", "num_cached_tokens", "load_tokens", "cost")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_cached_tokens: int
+    load_tokens: int
+    cost: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load_tokens: _Optional[int] = ..., cost: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ("pool_id", "after_sequence", "instance_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    after_sequence: int
+    instance_id: str
+    def __init__(self, pool_id: _Optional[str] = ..., after_sequence: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("sequence", "pool_id", "epoch", "instance_id", "snapshot", "events", "timestamp_ms")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    pool_id: str
+    epoch: int
+    instance_id: str
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    timestamp_ms: int
+    def __init__(self, sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., instance_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: AllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -100,6 +100,26 @@ class BlockServiceStub:
                 request_serializer=protos_dot_block__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_block__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.RegisterRunner = channel.unary_unary(
+                '/pagewire.block.v1.BlockService/RegisterRunner',
+                request_serializer=protos_dot_block__pb2.RegisterRunnerRequest.SerializeToString,
+                response_deserializer=protos_dot_block__pb2.RegisterRunnerResponse.FromString,
+                _registered_method=True)
+        self.ListRunners = channel.unary_unary(
+                '/pagewire.block.v1.BlockService/ListRunners',
+                request_serializer=protos_dot_block__pb2.ListRunnersRequest.SerializeToString,
+                response_deserializer=protos_dot_block__pb2.ListRunnersResponse.FromString,
+                _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/pagewire.block.v1.BlockService/Route',
+                request_serializer=protos_dot_block__pb2.RouteRequest.SerializeToString,
+                response_deserializer=protos_dot_block__pb2.RouteResponse.FromString,
+                _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/pagewire.block.v1.BlockService/SubscribeKvEvents',
+                request_serializer=protos_dot_block__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_block__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class BlockServiceServicer:
@@ -213,6 +233,47 @@ class BlockServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterRunner(self, request, context):
+        """Membership: registers a runner's pool under a lease, or renews that lease. The pool is
+        created or confirmed as by CreatePool (a new epoch empties it). A runner registers
+        itself (`--block-service`) and calls again every third of the lease; a pool whose lease
+        runs out is dropped: its runner is gone, and the sequences it held answer NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRunners(self, request, context):
+        """The live runners (registered pools whose lease runs) with their load figures. Gateways
+        poll it to learn which runners to serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request, context):
+        """Places a new request (an n > 1 group as one) on one live runner by a policy that sees
+        every pool's exact cached prefix of the prompt and every runner's load, under one lock:
+        the chosen pool's load is raised at once, so concurrent routers (gateway replicas) see
+        each other's choices. Changes no block. NOT_FOUND when no runner is live.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubscribeKvEvents(self, request, context):
+        """The KV events of one pool, for an external router or a cache-aware client: blocks
+        stored, blocks removed, pool cleared, in batches numbered 1, 2, ... A subscriber that
+        resumes after the last batch it saw gets every later batch exactly once, in order; one
+        too far behind for the replay buffer (or of another instance) gets a snapshot batch.
+        Carries token ids: an internal API, behind the internal credential.
+        Each message is one batch, named for what it is.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -280,6 +341,26 @@ def add_BlockServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_block__pb2.GetStatsRequest.FromString,
                     response_serializer=protos_dot_block__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'RegisterRunner': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRunner,
+                    request_deserializer=protos_dot_block__pb2.RegisterRunnerRequest.FromString,
+                    response_serializer=protos_dot_block__pb2.RegisterRunnerResponse.SerializeToString,
+            ),
+            'ListRunners': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRunners,
+                    request_deserializer=protos_dot_block__pb2.ListRunnersRequest.FromString,
+                    response_serializer=protos_dot_block__pb2.ListRunnersResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=protos_dot_block__pb2.RouteRequest.FromString,
+                    response_serializer=protos_dot_block__pb2.RouteResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=protos_dot_block__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=protos_dot_block__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -634,6 +715,114 @@ class BlockService:
             '/pagewire.block.v1.BlockService/GetStats',
             protos_dot_block__pb2.GetStatsRequest.SerializeToString,
             protos_dot_block__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRunner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.block.v1.BlockService/RegisterRunner',
+            protos_dot_block__pb2.RegisterRunnerRequest.SerializeToString,
+            protos_dot_block__pb2.RegisterRunnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRunners(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.block.v1.BlockService/ListRunners',
+            protos_dot_block__pb2.ListRunnersRequest.SerializeToString,
+            protos_dot_block__pb2.ListRunnersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.block.v1.BlockService/Route',
+            protos_dot_block__pb2.RouteRequest.SerializeToString,
+            protos_dot_block__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagewire.block.v1.BlockService/SubscribeKvEvents',
+            protos_dot_block__pb2.SubscribeKvEventsRequest.SerializeToString,
+            protos_dot_block__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
