@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from block_service.journal import Journal
@@ -34,6 +34,13 @@ from block_service.ops import (
     shown,
 )
 from block_service.pool_manager import PoolManager, bad_tokens
+from block_service.registry import (
+    DECODE_WEIGHT_TOKENS,
+    POLICIES,
+    Candidate,
+    RunnerLoad,
+    RunnerRegistry,
+)
 from block_service.sessions import LeasePolicy, Session, SessionTable
 from block_service.step import SessionScope, apply_op, run_step
 
@@ -49,6 +56,8 @@ REC_EXPIRE = 3  # (session_id,)
 REC_CREATE_POOL = 4  # (pool_id, num_blocks, block_size, epoch, free_order)
 REC_OP = 5  # the arguments of _apply_single
 REC_STEP = 6  # the arguments of _apply_step
+REC_REGISTER = 7  # the arguments of _apply_register
+REC_DROP_POOL = 8  # (pool_id,)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class CoreState:
     pools: dict[str, PoolManager]
     sessions: dict[str, Session]
     expired_ids: list[str]
+    # Registered pools: pool id -> (runner address, lease TTL in s). Leases are renewed on load.
+    runners: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 def invalid(message: str) -> BlockServiceError:
@@ -133,6 +144,8 @@ class BlockServiceCore:
         self.pools: dict[str, PoolManager] = {}
         self.sessions = SessionTable(lease_policy or LeasePolicy(), clock)
         self.limits = limits or Limits()
+        self.registry = RunnerRegistry(clock)
+        self.runner_addresses: dict[str, str] = {}  # registered pool id -> runner address
         self._journal: Journal | None = None
 
     # ---- journal -------------------------------------------------------------------------
@@ -151,7 +164,9 @@ class BlockServiceCore:
             journal.write_snapshot(self._state())
 
     def _state(self) -> CoreState:
-        return CoreState(self.pools, self.sessions.open, self.sessions.expired_ids())
+        runners = {pool_id: (address, self.registry.lease_ttl_s[pool_id])
+                   for pool_id, address in self.runner_addresses.items()}
+        return CoreState(self.pools, self.sessions.open, self.sessions.expired_ids(), runners)
 
     def snapshot_now(self) -> None:
         """Writes a snapshot now (after a replay, so that the next start replays little)."""
@@ -172,11 +187,17 @@ class BlockServiceCore:
                 if state is not None:
                     self.pools = state.pools
                     self.sessions.restore(state.sessions, state.expired_ids)
+                    # A snapshot from before the registry has no `runners`.
+                    for pool_id, (address, ttl_s) in getattr(state, "runners", {}).items():
+                        self.runner_addresses[pool_id] = address
+                        self.registry.lease_ttl_s[pool_id] = ttl_s
                 for kind, args in records:
                     self._replay_one(kind, args)
             finally:
                 self._journal = journal
             self.sessions.renew_all()
+            for pool_id in self.runner_addresses:
+                self.registry.renew(pool_id)
 
     def _replay_one(self, kind: int, args: tuple[Any, ...]) -> None:
         """Applies one record. Every record was applied once without a whole-call error (the
@@ -185,7 +206,8 @@ class BlockServiceCore:
         appliers: dict[int, Callable[..., object]] = {
             REC_OPEN: self.sessions.start, REC_CLOSE: self._close_session,
             REC_EXPIRE: self._expire, REC_CREATE_POOL: self._apply_create_pool,
-            REC_OP: self._apply_single, REC_STEP: self._apply_step}
+            REC_OP: self._apply_single, REC_STEP: self._apply_step,
+            REC_REGISTER: self._apply_register, REC_DROP_POOL: self._drop_pool}
         try:
             appliers[kind](*args)
         except (BlockServiceError, KeyError, TypeError) as error:
@@ -227,13 +249,18 @@ class BlockServiceCore:
         return self._end_session(session_id, expired=False)
 
     def reap_expired(self) -> int:
-        """Expires every overdue session (freeing its sequences); returns how many."""
+        """Expires every overdue session (freeing its sequences) and drops every registered
+        pool whose lease ran out; returns how many of both."""
         with self._lock:
             overdue = self.sessions.overdue_ids()
             for session_id in overdue:
                 self._expire(session_id)
                 self._record(REC_EXPIRE, (session_id,))
-            return len(overdue)
+            gone = self.registry.overdue()
+            for pool_id in gone:
+                self._drop_pool(pool_id)
+                self._record(REC_DROP_POOL, (pool_id,))
+            return len(overdue) + len(gone)
 
     def _live_session(self, session_id: str) -> Session:
         """The session, renewed; an overdue one is expired here and FAILED_PRECONDITION."""
@@ -250,6 +277,7 @@ class BlockServiceCore:
 
     def _end_session(self, session_id: str, expired: bool) -> int:
         self.sessions.end(session_id, expired)
+        self.registry.end_session(session_id)
         return sum(pm.free_session(session_id) for pm in self.pools.values())
 
     # ---- pools ---------------------------------------------------------------------------
@@ -288,6 +316,93 @@ class BlockServiceCore:
             pm.new_epoch(epoch, num_blocks, block_size)
         return self._info(pm)
 
+    # ---- runners: membership and routing (block_service/registry.py) ---------------------
+    def register_runner(self, pool_id: str, address: str, num_blocks: int, block_size: int,
+                        epoch: int, lease_ttl_ms: int = 0) -> tuple[PoolInfo, int]:
+        """Registers a runner's pool (created or confirmed as by create_pool) or renews its
+        lease; returns the pool and the lease granted in ms."""
+        check_pool_shape(pool_id, num_blocks, block_size, epoch, self.limits.max_pool_blocks)
+        if not address:
+            raise invalid("address is empty")
+        check_text("address", address, MAX_POOL_ID_BYTES)
+        with self._lock:
+            pm = self.pools.get(pool_id)
+            if pm is None and len(self.pools) >= self.limits.max_pools:
+                raise exhausted(f"{len(self.pools)} pools exist: the limit is "
+                                f"{self.limits.max_pools} (max_pools)")
+            same_epoch = pm is not None and pm.epoch == epoch
+            if pm is not None and same_epoch and \
+                    (pm.pool.num_blocks, pm.block_size) != (num_blocks, block_size):
+                raise BlockServiceError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"pool {pool_id!r} epoch {epoch} has {pm.pool.num_blocks} blocks of "
+                    f"{pm.block_size}; a new shape needs a new epoch")
+            ttl_s = self.sessions.policy.grant(lease_ttl_ms)
+            if not same_epoch or self.runner_addresses.get(pool_id) != address or \
+                    self.registry.lease_ttl_s.get(pool_id) != ttl_s:
+                args = (pool_id, address, num_blocks, block_size, epoch, ttl_s)
+                self._apply_register(*args)
+                self._record(REC_REGISTER, args)
+            self.registry.renew(pool_id)
+            return self._info(self.pools[pool_id]), round(ttl_s * 1000)
+
+    def _apply_register(self, pool_id: str, address: str, num_blocks: int, block_size: int,
+                        epoch: int, ttl_s: float) -> None:
+        pm = self.pools.get(pool_id)
+        if pm is None or pm.epoch != epoch:
+            self._apply_create_pool(pool_id, num_blocks, block_size, epoch, None)
+        self.runner_addresses[pool_id] = address
+        self.registry.renew(pool_id, ttl_s)
+
+    def _drop_pool(self, pool_id: str) -> None:
+        """A registered runner left (its lease ran out): its pool and every sequence in it
+        are gone; their sessions' next operations on it answer NOT_FOUND."""
+        self.pools.pop(pool_id, None)
+        self.runner_addresses.pop(pool_id, None)
+        self.registry.forget(pool_id)
+
+    def list_runners(self) -> list[tuple[PoolInfo, RunnerLoad]]:
+        """Every live registered pool with its load figures, by pool id."""
+        with self._lock:
+            return [(self._info(pm), self.registry.load(pm)) for pm in self._live_pools()]
+
+    def _live_pools(self) -> list[PoolManager]:
+        return [self.pools[pool_id] for pool_id in sorted(self.runner_addresses)
+                if self.registry.is_live(pool_id)]
+
+    def route(self, client_name: str, token_ids: Sequence[int], cache_salt: str = "",
+              policy: int = 0, num_seqs: int = 1, pool_ids: Sequence[str] = ()
+              ) -> tuple[Candidate, list[Candidate]]:
+        """Places a request on one live runner (see registry.py); returns the choice and
+        every candidate. Raises the choice's load at once by what the request adds."""
+        check_text("client_name", client_name, MAX_CLIENT_NAME_BYTES)
+        check_text("cache_salt", cache_salt, MAX_CACHE_SALT_BYTES)
+        check_tokens_per_request(len(token_ids), self.limits)
+        error = bad_tokens(token_ids)
+        if error:
+            raise invalid(error)
+        if policy and policy not in POLICIES:
+            raise invalid(f"unknown routing policy {policy}")
+        for pool_id in pool_ids:
+            check_text("pool_ids entry", pool_id, MAX_POOL_ID_BYTES)
+        num_seqs = max(num_seqs, 1)
+        allowed = set(pool_ids)
+        with self._lock:
+            pools = [pm for pm in self._live_pools() if not allowed or pm.pool_id in allowed]
+            if not pools:
+                raise BlockServiceError(ErrorCode.NOT_FOUND, "no live runner to route to" + (
+                    f" among the {len(allowed)} pools named" if allowed else ""))
+            candidates = []
+            for pm in pools:
+                cached = pm.match_prefix(token_ids, cache_salt)
+                load = self.registry.load(pm).load_tokens
+                candidates.append(Candidate(pm.pool_id, cached, load,
+                                            len(token_ids) - cached + load))
+            chosen = self.registry.choose(policy, candidates)
+            self.registry.add_routed(client_name, chosen.pool_id, chosen.cost
+                                     - chosen.load_tokens + DECODE_WEIGHT_TOKENS * num_seqs)
+            return chosen, candidates
+
     def get_pool(self, pool_id: str) -> PoolInfo:
         """A pool's shape and epoch."""
         with self._lock:
@@ -305,7 +420,8 @@ class BlockServiceCore:
                 cached_evictable_blocks=pool.num_evictable(), num_sequences=pm.num_sequences(),
                 num_sessions=len(self.sessions.open), prompt_tokens=pm.prompt_tokens,
                 cached_prompt_tokens=pm.cached_prompt_tokens, evictions=pool.evictions,
-                copies=pm.copies, no_space=pm.no_space, total_refs=sum(pool.ref_counts))
+                copies=pm.copies, no_space=pm.no_space, total_refs=sum(pool.ref_counts),
+                appended_tokens=pm.appended_tokens)
 
     def match_prefix(self, pool_id: str, token_ids: Sequence[int], cache_salt: str = "") -> int:
         """Leading tokens of `token_ids` held by computed cached blocks."""
@@ -323,9 +439,9 @@ class BlockServiceCore:
             raise BlockServiceError(ErrorCode.NOT_FOUND, f"pool {shown(pool_id)} not found")
         return pm
 
-    @staticmethod
-    def _info(pm: PoolManager) -> PoolInfo:
-        return PoolInfo(pm.pool_id, pm.pool.num_blocks, pm.block_size, pm.epoch)
+    def _info(self, pm: PoolManager) -> PoolInfo:
+        return PoolInfo(pm.pool_id, pm.pool.num_blocks, pm.block_size, pm.epoch,
+                        self.runner_addresses.get(pm.pool_id, ""))
 
     def _scope(self, session_id: str, here: PoolManager) -> SessionScope:
         others = [pm for pm in self.pools.values() if pm is not here]
@@ -391,10 +507,12 @@ class BlockServiceCore:
              kinds: Sequence[int], seq_ids: Sequence[int], token_counts: Sequence[int],
              token_ids: Sequence[int], parent_ids: Sequence[int], computed: Sequence[int],
              cache_salts: Mapping[int, str] | None = None,
-             lookaheads: Sequence[int] = ()) -> StepResult:
+             lookaheads: Sequence[int] = (), num_waiting_tokens: int = 0) -> StepResult:
         """Applies a scheduling step's operations in order (see the proto's StepRequest).
 
         The same step_id as the session's last Step returns that Step's result unchanged.
+        `num_waiting_tokens` is the client's load report for the pool (not journaled: load
+        figures are soft state).
         """
         salts = dict(cache_salts or {})
         lookaheads = list(lookaheads)
@@ -417,6 +535,7 @@ class BlockServiceCore:
                     parent_ids, computed, salts, lookaheads)
             result = self._apply_step(*args)
             self._record(REC_STEP, args)
+            self.registry.report(session_id, session.client_name, pool_id, num_waiting_tokens)
             return result
 
     def _apply_step(self, session_id: str, pool_id: str, step_id: int, kinds: Sequence[int],

@@ -106,6 +106,7 @@ class PoolInfo:
     num_blocks: int
     block_size: int
     epoch: int
+    address: str = ""  # the runner's, for a registered pool
 
 
 @dataclass(frozen=True)
@@ -126,3 +127,4 @@ class PoolStats:
     copies: int
     no_space: int
     total_refs: int
+    appended_tokens: int

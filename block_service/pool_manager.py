@@ -41,6 +41,9 @@ def bad_tokens(token_ids: Seq[int]) -> str:
 class PoolManager:
     """The sequences of one pool (by session, then seq id) over a BlockPool."""
 
+    # Tokens appended since start (a class default: snapshots from before it load).
+    appended_tokens = 0
+
     def __init__(self, pool_id: str, num_blocks: int, block_size: int, epoch: int,
                  free_order: Seq[int] | None = None) -> None:
         self.pool_id = pool_id
@@ -229,6 +232,7 @@ class PoolManager:
         table.extend(pool.take() for _ in range(new_blocks))
         seq.tokens.extend(token_ids[filling:])
         seq.tokens.extend([RESERVED] * lookahead)
+        self.appended_tokens += len(token_ids)
         return OpResult(table_start=start, table_block_ids=table[start:], copies=copies,
                         slots=slots_for(table, self.block_size, old_len, new_len))
 

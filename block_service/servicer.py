@@ -26,7 +26,7 @@ T = TypeVar("T")
 def pool_message(info: PoolInfo) -> block_pb2.Pool:
     """A PoolInfo as a Pool message."""
     return block_pb2.Pool(pool_id=info.pool_id, num_blocks=info.num_blocks,
-                          block_size=info.block_size, epoch=info.epoch)
+                          block_size=info.block_size, epoch=info.epoch, address=info.address)
 
 
 def step_response(result: StepResult) -> block_pb2.StepResponse:
@@ -139,7 +139,7 @@ class BlockServicer(block_pb2_grpc.BlockServiceServicer):
             request.op_kinds[:], request.seq_ids[:], request.token_counts[:],
             request.token_ids[:], request.parent_seq_ids[:],
             request.num_computed_tokens[:], dict(request.cache_salts),
-            request.num_lookahead_slots[:]))
+            request.num_lookahead_slots[:], request.num_waiting_tokens))
         return step_response(result)
 
     def StepStream(self, requests: Iterator[block_pb2.StepRequest],
@@ -166,6 +166,33 @@ class BlockServicer(block_pb2_grpc.BlockServiceServicer):
                  context: grpc.ServicerContext) -> block_pb2.GetStatsResponse:
         stats = self._call(context, lambda: self.core.stats(request.pool_id))
         return block_pb2.GetStatsResponse(stats=block_pb2.Stats(**vars(stats)))
+
+    def RegisterRunner(self, request: block_pb2.RegisterRunnerRequest,
+                       context: grpc.ServicerContext) -> block_pb2.RegisterRunnerResponse:
+        info, ttl_ms = self._call(context, lambda: self.core.register_runner(
+            request.pool_id, request.address, request.num_blocks, request.block_size,
+            request.epoch, request.lease_ttl_ms))
+        return block_pb2.RegisterRunnerResponse(pool=pool_message(info), lease_ttl_ms=ttl_ms)
+
+    def ListRunners(self, request: block_pb2.ListRunnersRequest,
+                    context: grpc.ServicerContext) -> block_pb2.ListRunnersResponse:
+        runners = self.core.list_runners()
+        return block_pb2.ListRunnersResponse(runners=[
+            block_pb2.RunnerLoad(
+                pool=pool_message(info), free_blocks=load.free_blocks,
+                num_sequences=load.num_sequences, queued_tokens=load.queued_tokens,
+                load_tokens=load.load_tokens)
+            for info, load in runners])
+
+    def Route(self, request: block_pb2.RouteRequest,
+              context: grpc.ServicerContext) -> block_pb2.RouteResponse:
+        chosen, candidates = self._call(context, lambda: self.core.route(
+            request.client_name, request.token_ids[:], request.cache_salt, request.policy,
+            request.num_seqs, request.pool_ids[:]))
+        return block_pb2.RouteResponse(pool_id=chosen.pool_id, candidates=[
+            block_pb2.RouteCandidate(pool_id=c.pool_id, num_cached_tokens=c.num_cached_tokens,
+                                     load_tokens=c.load_tokens, cost=c.cost)
+            for c in candidates])
 
 
 def register(core: BlockServiceCore, max_workers: int) -> Callable[[grpc.Server], None]:

@@ -113,6 +113,7 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
     add_slot = slots.append
     add_block = block_ids.append
     offset = 0
+    fast_appends = 0
     for i, kind, count, seq_id, num_computed, lookahead in zip(
             range(num_ops), kinds, token_counts, seq_ids, computed, lookaheads, strict=True):
         if count == 1 and kind == OP_APPEND:
@@ -143,6 +144,7 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
                             starts[i] = len(table)
                             add_slot((last << shift) | column)
                             offset += 1
+                            fast_appends += 1
                             continue
                     elif len(table) < capacity and num_free():
                         if filling:
@@ -156,6 +158,7 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
                         add_block(block)
                         add_slot(block << shift)
                         offset += 1
+                        fast_appends += 1
                         continue
         result = apply_op(pm, session_id, kind, seq_id, token_ids[offset:offset + count],
                           parent_ids[i], num_computed, cache_salts.get(i, ""), scope, lookahead)
@@ -172,5 +175,6 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
         slot_counts[i] = len(result.slots)
         slots.extend(result.slots)
         copies.extend(result.copies)
+    pm.appended_tokens += fast_appends
     return StepResult(step_id, pm.epoch, statuses, cached, starts, table_counts, block_ids,
                       slot_counts, slots, copies, errors)
