@@ -14,6 +14,7 @@ import grpc
 from common.log import setup_logging
 from common.security import ClientTls
 from gateway.client import PagewireClient, finish_reason_name
+from gateway.config import ROUTING
 from gateway.launcher import SERVICES_NICE, LaunchConfig, Launcher, serving_banner
 from protos import gateway_pb2
 
@@ -70,6 +71,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--runners", type=_at_least_one, default=1,
+                        help="runner processes, each with its own KV cache (on a CPU the cores "
+                             "are split between them)")
+    parser.add_argument("--gateways", type=_at_least_one, default=1,
+                        help="gateway processes, on --port and the ports after it")
+    parser.add_argument("--routing", default=None, choices=ROUTING,
+                        help="how gateways place requests on runners (default: prefix)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where the services' logs go (default: a new temp folder)")
     parser.add_argument("--journal-dir", type=Path, default=None,
@@ -82,6 +90,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "that on a CPU runner their work gives way to the forward's")
     parser.add_argument("--demo", action="store_true",
                         help="stream the answer to a demo chat prompt once serving")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
 
 
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +200,8 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, metrics_port=args.metrics_port,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, log_dir=args.log_dir, journal_dir=args.journal_dir,
+        max_num_seqs=args.max_num_seqs, runners=args.runners, gateways=args.gateways,
+        routing=args.routing, log_dir=args.log_dir, journal_dir=args.journal_dir,
         restart=not args.no_restart, services_nice=args.services_nice,
     ))
     launcher.install_signal_handlers()

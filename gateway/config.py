@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 
 from common.security import read_tokens
 from gateway.validation import (
@@ -15,6 +16,8 @@ from gateway.validation import (
 )
 
 DEFAULT_GATEWAY_PORT = 50051
+# Routing policies (block.proto RoutingPolicy; docs/scaling.md).
+ROUTING = ("prefix", "least-loaded", "round-robin")
 # A Generate stream holds a server thread for its whole life, so the gateway needs many more
 # workers than the unary services.
 DEFAULT_MAX_WORKERS = 256
@@ -33,7 +36,9 @@ class GatewayConfig:
     """What the gateway connects to and how it schedules."""
 
     block_service: str = "127.0.0.1:50052"
-    runner: str = "127.0.0.1:50053"
+    # The runners to serve (--runner); empty: every runner registered with the block service.
+    runners: list[str] = field(default_factory=list)
+    routing: str = "prefix"  # how a request's runner is chosen (see ROUTING)
     model: str | None = None  # model spec for the tokenizer (None: the default model)
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
@@ -47,8 +52,9 @@ class GatewayConfig:
     max_streams: int = DEFAULT_MAX_STREAMS
     max_streams_per_client: int = DEFAULT_MAX_STREAMS_PER_CLIENT
     lease_ttl_ms: int = 10_000
-    pool_id: str = ""  # empty: the runner's address
-    client_name: str = "gateway"
+    pool_id: str = ""  # empty: the runner's address (only with one --runner)
+    # Names this gateway in the block service (sessions, routes): unique per process.
+    client_name: str = field(default_factory=lambda: f"gateway/{secrets.token_hex(4)}")
     rpc_timeout_s: float = 120.0
     # How the gateway reaches the block service and the runner when they serve TLS / tokens.
     backend_tls_ca: str = ""  # CA of their certificates: TLS on when set
@@ -80,10 +86,14 @@ class GatewayConfig:
                 raise ValueError(f"{flag} must be >= 1")
         if self.max_stop_strings < 0:
             raise ValueError("--max-stop-strings must be >= 0")
+        if self.routing not in ROUTING:
+            raise ValueError(f"--routing {self.routing!r}: expected one of {', '.join(ROUTING)}")
+        if self.pool_id and len(self.runners) != 1:
+            raise ValueError("--pool-id names the pool of a single --runner")
 
-    @property
-    def effective_pool_id(self) -> str:
-        return self.pool_id or self.runner
+    def pool_id_of(self, runner: str) -> str:
+        """The pool name of a --runner runner."""
+        return self.pool_id or runner
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +101,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = GatewayConfig()
     parser.add_argument("--block-service", default=defaults.block_service,
                         help="block service address host:port")
-    parser.add_argument("--runner", default=defaults.runner, help="gpu runner address host:port")
+    parser.add_argument("--runner", action="append", default=[], dest="runners",
+                        help="a runner to serve, host:port (repeat for several); without it, "
+                             "every runner registered with the block service")
+    parser.add_argument("--routing", default=defaults.routing, choices=ROUTING,
+                        help="how a request's runner is chosen: prefix (cached prefix and "
+                             "load), least-loaded, round-robin (docs/scaling.md)")
     parser.add_argument("--model", default=None,
                         help="model spec for the tokenizer: a folder, a .gguf file or 'default'")
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -121,7 +136,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl-ms", type=int, default=defaults.lease_ttl_ms,
                         help="block-service session lease asked for")
     parser.add_argument("--pool-id", default="",
-                        help="KV pool name in the block service (default: the runner address)")
+                        help="KV pool name of the one --runner in the block service (default: "
+                             "its address)")
     parser.add_argument("--backend-tls-ca", default="",
                         help="PEM CA of the backends' certificates: connect over TLS")
     parser.add_argument("--backend-tls-cert", default="",
@@ -140,7 +156,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """Reads the flags added by add_gateway_arguments."""
     return GatewayConfig(
         block_service=args.block_service,
-        runner=args.runner,
+        runners=args.runners,
+        routing=args.routing,
         model=args.model,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -154,7 +171,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_streams_per_client=args.max_streams_per_client,
         lease_ttl_ms=args.lease_ttl_ms,
         pool_id=args.pool_id,
-        client_name=f"gateway@{args.host}:{args.port}",
+        client_name=f"gateway@{args.host}:{args.port}/{secrets.token_hex(4)}",
         backend_tls_ca=args.backend_tls_ca,
         backend_tls_cert=args.backend_tls_cert,
         backend_tls_key=args.backend_tls_key,

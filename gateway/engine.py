@@ -1,747 +1,330 @@
-"""The step loop: one block-service Step and one runner Execute per scheduling step.
+"""The gateway's engine: the runners it serves, one RunnerLoop each, and where requests go.
 
-Step N+1 is planned, sent to the block service and sent to the runner while step N's forward
-runs: the scheduler plans N+1 from what N will have computed, a decode whose token N is still
-sampling gets its position reserved in the block service (the next Step fills in the token),
-and Execute N+1 leaves that token to the runner (taken from its answer to N). The runner
-starts forward N+1 as soon as forward N ends; the loop then takes N's samples. Sequences that
-finish at N run one step too many (their samples are dropped) and are freed a step later.
+Membership (docs/scaling.md): with `--runner` (repeatable) the gateway serves exactly those
+runners and registers each with the block service while it answers Info; without it, the
+gateway serves every runner registered with the block service (a runner registers itself when
+started with `--block-service`). Every MEMBERSHIP_POLL_S the engine reads the live runners
+(ListRunners): it starts a loop for a runner that joined, and retires the loop of one whose
+lease ran out, moving its requests to the others, where they are recomputed from their tokens
+so far (as after a runner restart: streams go on, nothing repeated or skipped).
 
-One thread owns the scheduler and every request's state. Servicer threads only hand
-requests in (`submit`) and ask for aborts (`abort`); both wake the loop. A second thread
-keeps the block-service session alive and probes the runner. When the runner's epoch changes
-(it restarted and lost its KV cache) or the session is lost, the engine re-creates the pool and
-a session and puts every running sequence back in the queue to be recomputed: streams go on
-unchanged.
+Placement: a request (its n outputs together) goes to the only serving loop, or where the
+block service's Route puts it among the serving loops (`--routing`: prefix, least-loaded,
+round-robin). One with nowhere to go waits, up to the backend-down timeout, for a runner.
 
-Every call has a deadline; a call that times out or finds its peer unavailable is retried with
-the same request (same session, step id and epoch: Step and Execute are idempotent by step
-id), so a block service restarted from its journal, or a slow call, changes nothing. A backend
-failing for a while is "down": health turns NOT_SERVING and new requests get UNAVAILABLE;
-running ones wait up to the backend-down timeout, then fail with UNAVAILABLE.
-See docs/reliability.md.
+Health: SERVING while at least one loop is serving (its runner and the block service answer).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 import grpc
 
 from gateway import metrics
 from gateway.config import GatewayConfig
-from gateway.request import Request, TokenLogprobs
-from gateway.scheduler import Scheduler, StepOutcome, StepPlan, Work
-from gateway.sequence import SeqStatus, Sequence
-from gateway.step_builder import (
-    SamplingRow,
-    build_execute_request,
-    build_step_request,
-    parse_step_response,
-    sampled_sequences,
-)
-from gateway.step_stream import StepStreamClient, StreamBroken
+from gateway.request import Request
+from gateway.retry import RETRYABLE, RetryPolicy
+from gateway.runner_loop import BackendInfo, RunnerLoop
 from protos import block_pb2, block_pb2_grpc, runner_pb2, runner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# The session or pool is gone, or the runner restarted: recover by starting over.
-_LOST = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
-_FIRST_RETRY_DELAY_S = 0.05
-_MAX_RETRY_DELAY_S = 0.5  # a restarted peer is picked up within half a second
-_IDLE_WAIT_S = 0.5
-_NO_PROGRESS_WAIT_S = 0.01
-# Control calls (Step, KeepAlive, CreatePool, ...) are short: a lost one is retried after
-# this long at most. Execute gets the whole rpc_timeout_s (a long prefill on a CPU is slow).
-_CONTROL_TIMEOUT_S = 10.0
-# A dependency failing for this long is "down": health NOT_SERVING, new requests UNAVAILABLE.
-_DOWN_AFTER_S = 1.0
-_DOWN_PROBE_S = 0.2  # how often a backend that is down is probed
-# How long running requests wait for a dependency to come back before they fail.
-DEFAULT_BACKEND_DOWN_TIMEOUT_S = 30.0
-BACKEND_DOWN_TIMEOUT_ENV = "PAGEWIRE_GATEWAY_BACKEND_DOWN_TIMEOUT_S"
-RPC_TIMEOUT_ENV = "PAGEWIRE_GATEWAY_RPC_TIMEOUT_S"
-BLOCK_SERVICE = "block service"
-RUNNER = "runner"
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Deadlines of the calls to the block service and the runner, and how long to wait for
-    one of them to come back."""
-
-    execute_timeout_s: float = 120.0  # one Execute
-    control_timeout_s: float = _CONTROL_TIMEOUT_S  # one Step, KeepAlive, CreatePool, ...
-    down_after_s: float = _DOWN_AFTER_S  # failing this long: health NOT_SERVING
-    give_up_s: float = DEFAULT_BACKEND_DOWN_TIMEOUT_S  # failing this long: requests fail
-
-    @classmethod
-    def from_config(cls, config: GatewayConfig,
-                    environ: Mapping[str, str] | None = None) -> RetryPolicy:
-        """From the config's rpc_timeout_s; PAGEWIRE_GATEWAY_RPC_TIMEOUT_S and
-        PAGEWIRE_GATEWAY_BACKEND_DOWN_TIMEOUT_S override (processes started by tests and by
-        `pagewire serve` set them)."""
-        env = os.environ if environ is None else environ
-        rpc_timeout_s = float(env.get(RPC_TIMEOUT_ENV) or config.rpc_timeout_s)
-        give_up_s = float(env.get(BACKEND_DOWN_TIMEOUT_ENV) or DEFAULT_BACKEND_DOWN_TIMEOUT_S)
-        if rpc_timeout_s <= 0 or give_up_s <= 0:
-            raise ValueError("RPC and backend-down timeouts must be positive")
-        return cls(execute_timeout_s=rpc_timeout_s,
-                   control_timeout_s=min(rpc_timeout_s, _CONTROL_TIMEOUT_S),
-                   down_after_s=min(_DOWN_AFTER_S, give_up_s), give_up_s=give_up_s)
-
-
-class DependencyHealth:
-    """Which backends are down, and since when; tells a listener when the gateway as a whole
-    turns NOT_SERVING (some backend down) or SERVING again (all back)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._down: dict[str, str] = {}  # backend -> why
-        self._listener: Callable[[bool], None] | None = None
-        self._came_back = threading.Condition(self._lock)  # notified when one is back up
-
-    def set_listener(self, listener: Callable[[bool], None] | None) -> None:
-        with self._lock:
-            self._listener = listener
-            serving = not self._down
-        if listener is not None:
-            listener(serving)
-
-    @property
-    def serving(self) -> bool:
-        return not self._down
-
-    def problem(self) -> str:
-        """Why the gateway is not serving ("" when it is)."""
-        with self._lock:
-            return "; ".join(f"the {name} is unreachable ({why})"
-                             for name, why in sorted(self._down.items()))
-
-    def mark_down(self, name: str, why: str) -> None:
-        with self._lock:
-            was_serving = not self._down
-            first = name not in self._down
-            self._down[name] = why
-            listener = self._listener
-        if first:
-            log.warning("the %s is down: %s", name, why)
-        if was_serving and listener is not None:
-            listener(False)
-
-    def wait_until_back(self, timeout_s: float) -> None:
-        """Sleeps up to `timeout_s`, less when a backend comes back meanwhile (a retry then
-        goes out at once instead of at the end of its backoff)."""
-        with self._lock:
-            self._came_back.wait(timeout_s)
-
-    def mark_up(self, name: str) -> None:
-        with self._lock:
-            if name not in self._down:
-                return
-            del self._down[name]
-            self._came_back.notify_all()
-            now_serving = not self._down
-            listener = self._listener
-        log.info("the %s is back", name)
-        if now_serving and listener is not None:
-            listener(True)
-
-
-def call_with_retry(rpc: Callable[..., T], request: Any, timeout_s: float,
-                    policy: RetryPolicy | None = None, health: DependencyHealth | None = None,
-                    backend: str = "", stopping: threading.Event | None = None) -> T:
-    """Calls a unary RPC with a deadline, retrying THE SAME request while the peer is
-    unavailable or the call timed out (every call is safe to retry: Step and Execute are
-    deduplicated by (session, step id), the others are idempotent).
-
-    Gives up after `policy.give_up_s` of failures (raising the last error); after
-    `policy.down_after_s` the backend is marked down in `health` until a call succeeds.
-    """
-    policy = policy or RetryPolicy()
-    first_failure: float | None = None
-    delay = _FIRST_RETRY_DELAY_S
-    while True:
-        try:
-            reply = rpc(request, timeout=timeout_s)
-        except grpc.RpcError as error:
-            code = error.code()  # type: ignore[attr-defined]
-            if code not in _RETRYABLE:
-                raise
-            now = time.monotonic()
-            first_failure = now if first_failure is None else first_failure
-            failing_s = now - first_failure
-            if health is not None and failing_s >= policy.down_after_s:
-                health.mark_down(backend, f"{code.name} for {failing_s:.1f} s")
-            if failing_s >= policy.give_up_s or (stopping is not None and stopping.is_set()):
-                raise
-            log.info("%s call failed (%s): retrying the same request in %.2f s", backend or
-                     "backend", code.name, delay)
-            if health is not None:
-                health.wait_until_back(delay)
-            else:
-                time.sleep(delay)
-            delay = min(delay * 2, _MAX_RETRY_DELAY_S)
-            continue
-        if health is not None and backend:
-            health.mark_up(backend)
-        return reply  # type: ignore[no-any-return]
-
-
-@dataclass
-class InFlight:
-    """An Execute sent to the runner whose answer the loop has not taken yet."""
-
-    step_id: int
-    work: list[Work]
-    reply: Future[runner_pb2.ExecuteResponse]
+MEMBERSHIP_POLL_S = 0.5
+# The lease a gateway asks for the runners it registers (--runner): a runner that stops
+# answering Info leaves within this long, and its requests move.
+RUNNER_LEASE_MS = 3000
+LOOP_START_TIMEOUT_S = 10.0
+ROUTING_POLICIES = {
+    "prefix": block_pb2.ROUTING_POLICY_PREFIX,
+    "least-loaded": block_pb2.ROUTING_POLICY_LEAST_LOADED,
+    "round-robin": block_pb2.ROUTING_POLICY_ROUND_ROBIN,
+}
 
 
 class AdmissionError(Exception):
     """The waiting queue is full."""
 
 
-class BackendLost(Exception):
-    """The session, the pool or the runner's KV cache is gone: reset and recompute."""
-
-
-@dataclass
-class BackendInfo:
-    """The runner's description, as the gateway serves it."""
-
-    model: str
-    architecture: str
-    vocab_size: int
-    eos_token_ids: list[int]
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    dtype: str
-    device: str
-    epoch: int
-
-    @property
-    def max_len(self) -> int:
-        """Longest prompt + output: the model's limit, or what the whole pool can hold."""
-        return min(self.max_model_len, self.num_blocks * self.block_size)
-
-
 class Engine:
-    """Schedules and runs every request of one gateway."""
+    """Schedules and runs every request of one gateway, over every runner it serves."""
 
     def __init__(self, config: GatewayConfig, block_channel: grpc.Channel,
-                 runner_channel: grpc.Channel) -> None:
+                 open_runner_channel: Callable[[str], grpc.Channel]) -> None:
         self.config = config
         self.retry = RetryPolicy.from_config(config)
-        self.health = DependencyHealth()
+        self.info: BackendInfo | None = None  # of the first runner (all serve one model)
+        self._block_channel = block_channel
         self._blocks = block_pb2_grpc.BlockServiceStub(block_channel)
-        self._runner = runner_pb2_grpc.RunnerServiceStub(runner_channel)
-        self._step_stream = StepStreamClient(self._blocks, self.retry.control_timeout_s)
-        self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs)
-        self.info: BackendInfo | None = None
-        self._session_id = ""
-        self._step_id = 0
-        self._requests: dict[str, Request] = {}  # engine thread only
-        # Oldest first: at most two, the one running and the one queued behind it.
-        self._in_flight: deque[InFlight] = deque()  # engine thread only
-        self._executor = ThreadPoolExecutor(2, thread_name_prefix="engine-execute")
-        self._lock = threading.Condition()
-        self._inbox: list[Request] = []
-        self._aborts: set[str] = set()
-        self._num_waiting = 0  # sequences the scheduler holds in its queue (read by submit)
-        self._needs_reset = False
-        self._epoch_seen = 0  # a runner epoch the watcher saw that differs from info's
+        self._open_runner_channel = open_runner_channel
+        self._policy = ROUTING_POLICIES[config.routing]
+        # --runner: pool id -> address; empty: every registered runner.
+        self._static = {config.pool_id_of(address): address for address in config.runners}
+        self._lock = threading.Lock()
+        self._loops: dict[str, RunnerLoop] = {}  # pool id -> loop
+        self._channels: dict[str, grpc.Channel] = {}  # pool id -> its runner's channel
+        self._placed: dict[str, tuple[Request, RunnerLoop]] = {}  # request id ->
+        self._unplaced: list[tuple[Request, float]] = []  # (request, waiting since)
+        self._aborted_unplaced: set[str] = set()
+        self._serving = False
+        self._listener: Callable[[bool], None] | None = None
         self._stopping = threading.Event()
-        self._loop_thread: threading.Thread | None = None
-        self._keepalive_thread: threading.Thread | None = None
-        self._lease_ttl_ms = config.lease_ttl_ms
-        self._probe_failing_since: dict[str, float] = {}  # watcher thread only
+        self._thread: threading.Thread | None = None
+
+    @property
+    def loops(self) -> list[RunnerLoop]:
+        with self._lock:
+            return list(self._loops.values())
 
     # ----- life cycle ----------------------------------------------------------------------
 
     def start(self, timeout_s: float = 300.0) -> BackendInfo:
-        """Waits for the runner, creates the pool, opens a session, starts the threads."""
-        self.info = self._wait_for_runner(timeout_s)
-        self.scheduler.block_size = self.info.block_size
-        self._create_pool(self.info)
-        self._open_session()
-        self._loop_thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._keepalive_thread = threading.Thread(
-            target=self._watch_backends, name="engine-keepalive", daemon=True
-        )
-        self._loop_thread.start()
-        self._keepalive_thread.start()
+        """Waits until one runner is served, then watches the membership."""
+        deadline = time.monotonic() + timeout_s
+        while self.info is None:
+            # A refusal (bad credentials, a bad flag) fails the start instead of waiting.
+            self._update_membership(refusals_raise=True)
+            if self.info is not None:
+                break
+            if time.monotonic() > deadline or self._stopping.is_set():
+                raise RuntimeError(f"no runner to serve after {timeout_s:.0f} s (" + (
+                    f"--runner {', '.join(self._static.values())} did not answer"
+                    if self._static else "none registered with the block service") + ")")
+            time.sleep(0.2)
+        self._thread = threading.Thread(target=self._watch_membership, name="membership",
+                                        daemon=True)
+        self._thread.start()
         return self.info
 
     def stop(self) -> None:
-        """Ends the loop; unfinished requests end with finish reason abort."""
-        self.health.set_listener(None)  # the server is stopping: health stays NOT_SERVING
+        """Ends every loop; unfinished requests end with finish reason abort."""
+        self._listener = None  # the server is stopping: health stays NOT_SERVING
         self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for loop in self.loops:
+            loop.stop()
         with self._lock:
-            self._lock.notify_all()
-        if self._loop_thread is not None:
-            self._loop_thread.join(timeout=30)
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        for request in [*self._requests.values(), *self._inbox]:
+            unplaced, self._unplaced = self._unplaced, []
+        for request, _ in unplaced:
             request.abort_outputs()
             request.flush()
-        self._step_stream.close()
-        self._close_session()
+        for channel in self._channels.values():
+            channel.close()
 
     def set_health_listener(self, listener: Callable[[bool], None] | None) -> None:
-        """`listener(serving)` is called now and whenever a backend goes down or comes back
-        (the server wires it to its health status)."""
-        self.health.set_listener(listener)
-
-    def _wait_for_runner(self, timeout_s: float) -> BackendInfo:
-        deadline = time.monotonic() + timeout_s
-        started = time.monotonic()
-        while True:
-            try:
-                reply = self._runner.Info(runner_pb2.InfoRequest(),
-                                          timeout=self.retry.control_timeout_s)
-                self.health.mark_up(RUNNER)
-                return _backend_info(reply)
-            except grpc.RpcError as error:
-                code = error.code()  # type: ignore[attr-defined]
-                # Only a runner that is not up yet (or still loading) is worth waiting for.
-                if (code not in _RETRYABLE or time.monotonic() > deadline
-                        or self._stopping.is_set()):
-                    raise
-                if time.monotonic() - started >= self.retry.down_after_s:
-                    self.health.mark_down(RUNNER, f"Info: {code.name}")
-                log.info("waiting for the runner: %s", code)
-                time.sleep(0.2)
-
-    def _call(self, backend: str, rpc: Callable[..., T], request: Any,
-              timeout_s: float | None = None) -> T:
-        """One call to a backend under the retry policy (same request on every retry)."""
-        return call_with_retry(rpc, request, timeout_s or self.retry.control_timeout_s,
-                               self.retry, self.health, backend, self._stopping)
-
-    def _create_pool(self, info: BackendInfo) -> None:
-        self._call(BLOCK_SERVICE, self._blocks.CreatePool, block_pb2.CreatePoolRequest(
-            pool_id=self.config.effective_pool_id, num_blocks=info.num_blocks,
-            block_size=info.block_size, epoch=info.epoch,
-        ))
-
-    def _open_session(self) -> None:
-        reply = self._call(BLOCK_SERVICE, self._blocks.OpenSession, block_pb2.OpenSessionRequest(
-            client_name=self.config.client_name, lease_ttl_ms=self.config.lease_ttl_ms,
-        ))
-        self._session_id = reply.session_id
-        self._lease_ttl_ms = reply.lease_ttl_ms or self.config.lease_ttl_ms
-        self._step_id = 0
-        log.info("block-service session %s (lease %d ms)", self._session_id, self._lease_ttl_ms)
-
-    def _close_session(self) -> None:
-        if not self._session_id:
-            return
-        try:
-            self._blocks.CloseSession(
-                block_pb2.CloseSessionRequest(session_id=self._session_id), timeout=5
-            )
-        except grpc.RpcError as error:
-            log.info("closing the session: %s", error.code())  # type: ignore[attr-defined]
-        self._session_id = ""
-
-    def _watch_backends(self) -> None:
-        """Renews the lease every third of it and probes the runner as often (at least every
-        second): a backend that goes down (or a runner that restarts) is noticed even while
-        the gateway idles. While one is down both are probed every 0.2 s, so that health
-        turns SERVING soon after it is back."""
-        period_s = min(1.0, self._lease_ttl_ms / 3000)
-        next_due = time.monotonic() + period_s
-        while not self._stopping.wait(_DOWN_PROBE_S):
-            now = time.monotonic()
-            if now < next_due and self.health.serving:
-                continue
-            next_due = now + period_s
-            self._keep_alive_once()
-            self._probe_runner()
-
-    def _keep_alive_once(self) -> None:
-        session_id = self._session_id
-        try:
-            self._blocks.KeepAlive(block_pb2.KeepAliveRequest(session_id=session_id),
-                                   timeout=max(1.0, self._lease_ttl_ms / 3000))
-            self._probe_ok(BLOCK_SERVICE)
-        except grpc.RpcError as error:
-            code = error.code()  # type: ignore[attr-defined]
-            if code in _LOST and session_id == self._session_id:
-                log.warning("session %s lost (%s): resetting", session_id, code)
-                self._request_reset()
-            elif code in _RETRYABLE:
-                self._probe_failed(BLOCK_SERVICE, "KeepAlive", code)
-            else:
-                log.info("keep-alive failed: %s", code)
-
-    def _probe_runner(self) -> None:
-        try:
-            reply = self._runner.Info(runner_pb2.InfoRequest(), timeout=1.0)
-        except grpc.RpcError as error:
-            code = error.code()  # type: ignore[attr-defined]
-            if code in _RETRYABLE:
-                self._probe_failed(RUNNER, "Info", code)
-            return
-        self._probe_ok(RUNNER)
-        info = self.info
-        if info is not None and reply.epoch != info.epoch:
-            log.warning("runner epoch %d -> %d: its KV cache is gone", info.epoch, reply.epoch)
-            with self._lock:
-                self._epoch_seen = reply.epoch
-                self._lock.notify_all()
-
-    def _probe_ok(self, backend: str) -> None:
-        self._probe_failing_since.pop(backend, None)
-        self.health.mark_up(backend)
-
-    def _probe_failed(self, backend: str, what: str, code: grpc.StatusCode) -> None:
-        """A refused connection marks the backend down at once; a slow answer only once it
-        has been slow for down_after_s (a busy backend is not a dead one)."""
-        now = time.monotonic()
-        since = self._probe_failing_since.setdefault(backend, now)
-        if code == grpc.StatusCode.UNAVAILABLE or now - since >= self.retry.down_after_s:
-            self.health.mark_down(backend, f"{what}: {code.name}")
-
-    def _request_reset(self) -> None:
-        with self._lock:
-            self._needs_reset = True
-            self._lock.notify_all()
-
-    # ----- requests (any thread) -----------------------------------------------------------
-
-    def submit(self, request: Request) -> None:
-        """Queues a validated request; AdmissionError when the waiting queue is full."""
-        with self._lock:
-            if self._stopping.is_set():
-                raise AdmissionError("the gateway is shutting down")
-            if len(self._inbox) + self._num_waiting >= self.config.max_waiting:
-                raise AdmissionError(
-                    f"waiting queue full ({self.config.max_waiting} requests): retry later"
-                )
-            problem = self.health.problem()
-            if problem:
-                # Not queued: a backend is down, so the request would only hang.
-                request.fail("UNAVAILABLE", f"pagewire cannot serve now: {problem}; "
-                                            "retry later")
-                metrics.REQUESTS.labels("unavailable").inc()
-                return
-            self._inbox.append(request)
-            self._lock.notify_all()
-
-    def abort(self, request_id: str) -> None:
-        """Asks the loop to end a request and free its blocks in the next step."""
-        with self._lock:
-            self._aborts.add(request_id)
-            self._lock.notify_all()
-
-    # ----- the loop (engine thread) --------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                self._iteration()
-            except Exception:  # a bug must not silently kill every stream
-                log.exception("engine step failed")
-                try:
-                    self._fail_everything(None)
-                except Exception:
-                    log.exception("failing the requests failed too")
-                    self._stopping.wait(1.0)
-
-    def _iteration(self) -> None:
-        """Takes what came in, then runs one step (or waits for work)."""
-        try:
-            self._take_inbox()
-            if self._epoch_seen:
-                # Seen by the watcher; stale if the loop has already reset to it.
-                seen, self._epoch_seen = self._epoch_seen, 0
-                self._needs_reset |= self.info is None or seen != self.info.epoch
-            if self._needs_reset:
-                self._reset()
-            if not self.scheduler.has_work:
-                self._wait_for_work()
-                return
-            self._one_step()
-        except BackendLost as error:
-            log.warning("backend lost (%s): recomputing every running sequence", error)
-            self._needs_reset = True
-        except grpc.RpcError as error:
-            self._fail_everything(error)
-
-    def _wait_for_work(self) -> None:
-        with self._lock:
-            if (not self._inbox and not self._aborts and not self._needs_reset
-                    and not self._epoch_seen):
-                self._lock.wait(_IDLE_WAIT_S)
-
-    def _take_inbox(self) -> None:
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, set()
-        for request in inbox:
-            self._requests[request.request_id] = request
-            self.scheduler.add(request.initial_sequences)
-        for request_id in aborts:
-            aborted = self._requests.pop(request_id, None)
-            if aborted is not None:
-                self._end_request(aborted, "aborted")
-        self._update_gauges()
-
-    def _end_request(self, request: Request, outcome: str,
-                     error: tuple[str, str] | None = None) -> None:
-        """Takes a request's sequences out (freed in the next Step) and ends its stream:
-        with finish reason abort, or with the error status `error` (code name, message)."""
-        for seq in request.sequences:
-            if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.finish(seq)
-        if error is None:
-            request.abort_outputs()
-            request.flush()
-        else:
-            request.fail(*error)
-        metrics.REQUESTS.labels(outcome).inc()
-
-    def _one_step(self) -> None:
-        with metrics.LOOP_SECONDS.time():
-            self._plan_and_run_step()
-
-    def _plan_and_run_step(self) -> None:
-        started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        planning_s = time.perf_counter() - started
-        try:
-            if plan.is_empty:
-                if not self._in_flight:
-                    time.sleep(_NO_PROGRESS_WAIT_S)
-                self._take_in_flight(keep=0)
-                return
-            response = self._send_step(plan)
-            started = time.perf_counter()
-            results = parse_step_response(response, plan.num_ops)
-            outcome = self.scheduler.apply_results(plan, results)
-            # One observation per step sent: planning plus applying the answer (idle polls
-            # of an empty queue are not steps).
-            metrics.SCHEDULE_SECONDS.observe(planning_s + time.perf_counter() - started)
-            if outcome.stale:
-                raise BackendLost("the pool's epoch changed")
-            self._apply_outcome(outcome)
-            work = [item for item in outcome.work if item.seq.status is SeqStatus.RUNNING]
-            if work:
-                self._start_execute(work, list(response.copies))
-            self._take_in_flight(keep=1 if work else 0)
-            if not work and (plan.allocates or outcome.preempted):
-                time.sleep(_NO_PROGRESS_WAIT_S)  # nothing fits yet: do not spin
-        except Exception:
-            self._drop_in_flight()
-            self.scheduler.abandon(plan)  # every failure resets: keep the queue whole
-            raise
-
-    def _start_execute(self, work: list[Work], copies: list[block_pb2.BlockCopy]) -> None:
-        """Sends the step's Execute, to run after the one in flight; tokens that one samples
-        are left to the runner (rows of its answer)."""
-        pending_rows: dict[Sequence, int] = {}
-        after_step_id = 0
-        if self._in_flight:
-            previous = self._in_flight[-1]
-            pending_rows = {seq: row for row, seq in enumerate(sampled_sequences(previous.work))}
-            after_step_id = previous.step_id
-        request = self._execute_request(work, copies, pending_rows, after_step_id)
-        self._in_flight.append(InFlight(self._step_id, work,
-                                        self._executor.submit(self._execute, request)))
-
-    def _take_in_flight(self, keep: int) -> None:
-        """Waits for the oldest Executes until `keep` remain, and takes their samples (a
-        failure raises here)."""
-        while len(self._in_flight) > keep:
-            in_flight = self._in_flight.popleft()
-            with metrics.EXECUTE_WAIT_SECONDS.time():
-                reply = in_flight.reply.result()
-            self.scheduler.on_executed(in_flight.work)
-            with metrics.OUTPUT_SECONDS.time():
-                self._take_samples(in_flight.work, reply)
-
-    def _drop_in_flight(self) -> None:
-        """Before a reset: lets the Executes in flight end (they write KV into blocks the reset
-        hands out again) and forgets their results; their sequences are recomputed."""
-        while self._in_flight:
-            in_flight = self._in_flight.popleft()
-            try:
-                in_flight.reply.result()
-            except Exception as error:  # the reset that follows deals with the cause
-                log.info("an Execute in flight failed too: %s", error)
-
-    def _send_step(self, plan: StepPlan) -> block_pb2.StepResponse:
-        assert self.info is not None
-        self._step_id += 1
-        salts = {r.request_id: r.cache_salt for r in self._requests.values() if r.cache_salt}
-        request = build_step_request(plan, self._session_id, self.config.effective_pool_id,
-                                     self._step_id, self.info.epoch, salts)
-        metrics.STEPS.inc()
-        try:
-            with metrics.STEP_SECONDS.time():
-                try:
-                    return self._step_stream.step(request)
-                except StreamBroken as broken:
-                    # The same request as a unary Step, under the retry policy; a failure
-                    # Step answers with a status surfaces here as it would have on the stream.
-                    log.debug("StepStream: %s; sending step %d as a Step", broken,
-                              request.step_id)
-                return self._call(BLOCK_SERVICE, self._blocks.Step, request)
-        except grpc.RpcError as error:
-            if error.code() in _LOST:  # type: ignore[attr-defined]
-                raise BackendLost(error.details()) from error  # type: ignore[attr-defined]
-            raise
-
-    def _apply_outcome(self, outcome: StepOutcome) -> None:
-        if outcome.preempted:
-            metrics.PREEMPTIONS.inc(len(outcome.preempted))
-            log.info("preempted %d sequence(s) for recompute", len(outcome.preempted))
-        for seq, cached in outcome.newly_cached:
-            request = self._requests.get(seq.request_id)
-            if request is not None:
-                request.cached_tokens = max(request.cached_tokens, cached)
-        for seq, error in outcome.failed:
-            request = self._requests.pop(seq.request_id, None)
-            if request is not None:
-                log.error("request %s failed in the block service: %s", seq.request_id, error)
-                self._end_request(request, "failed", ("INTERNAL", f"block service: {error}"))
-        self._update_gauges()
-
-    def _execute_request(self, work: list[Work], copies: list[block_pb2.BlockCopy],
-                         pending_rows: Mapping[Sequence, int], after_step_id: int
-                         ) -> runner_pb2.ExecuteRequest:
-        assert self.info is not None
-        rows = {
-            request_id: SamplingRow(r.params.temperature, r.params.top_p, r.params.top_k,
-                                    r.params.min_p, r.params.logprobs)
-            for request_id, r in self._requests.items()
-        }
-        request = build_execute_request(work, copies, self.info.epoch, self._session_id,
-                                        self._step_id, rows, pending_rows, after_step_id)
-        metrics.EXECUTES.inc()
-        metrics.BATCH_SEQS.observe(len(work))
-        metrics.BATCH_TOKENS.observe(len(request.token_ids))
-        metrics.SCHEDULED_TOKENS.inc(len(request.token_ids))
-        return request
-
-    def _execute(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
-        """One Execute under the retry policy (on the executor thread)."""
-        try:
-            with metrics.EXECUTE_SECONDS.time():
-                reply = self._call(RUNNER, self._runner.Execute, request,
-                                   self.retry.execute_timeout_s)
-            metrics.RUNNER_SECONDS.observe(reply.total_ms / 1000)
-            metrics.FORWARD_SECONDS.observe(reply.forward_ms / 1000)
-            metrics.SAMPLE_SECONDS.observe(reply.sample_ms / 1000)
-            return reply
-        except grpc.RpcError as error:
-            if error.code() in _LOST:  # type: ignore[attr-defined]
-                raise BackendLost(error.details()) from error  # type: ignore[attr-defined]
-            raise
-
-    def _take_samples(self, work: list[Work], reply: runner_pb2.ExecuteResponse) -> None:
-        sampled = sampled_sequences(work)
-        if len(reply.token_ids) != len(sampled):
-            raise RuntimeError(
-                f"runner returned {len(reply.token_ids)} tokens for {len(sampled)} sequences"
-            )
-        logprobs = _split_logprobs(reply)
-        metrics.GENERATED_TOKENS.inc(len(sampled))
-        touched: dict[str, Request] = {}
-        for i, seq in enumerate(sampled):
-            request = self._requests.get(seq.request_id)
-            if request is None or seq.status is not SeqStatus.RUNNING:
-                continue
-            if request.add_token(seq, reply.token_ids[i], logprobs[i] if logprobs else None):
-                self.scheduler.finish(seq)
-            touched[request.request_id] = request
-        for request in touched.values():
-            request.flush()
-            if request.closed:
-                self._requests.pop(request.request_id, None)
-                metrics.REQUESTS.labels("finished").inc()
-
-    # ----- recovery ------------------------------------------------------------------------
-
-    def _reset(self) -> None:
-        """Starts over with the runner's current epoch and a new session; running sequences
-        are recomputed from their tokens so far."""
-        started = time.monotonic()
-        self._drop_in_flight()
-        self.info = self._wait_for_runner(self.retry.give_up_s)
-        self.scheduler.block_size = self.info.block_size
-        self._create_pool(self.info)
-        self._close_session()
-        self._open_session()
-        requeued = self.scheduler.reset_all()
-        self._needs_reset = False
-        log.info("reset at epoch %d in %.2f s: %d sequence(s) to recompute", self.info.epoch,
-                 time.monotonic() - started, len(requeued))
-
-    def _fail_everything(self, error: grpc.RpcError | None) -> None:
-        """A dependency stayed down: end every request with UNAVAILABLE and start over."""
-        if error is not None:
-            code = error.code()  # type: ignore[attr-defined]
-            details = error.details()  # type: ignore[attr-defined]
-            if code in _RETRYABLE:
-                message, code_name = f"backend unavailable: {details}", "UNAVAILABLE"
-            else:  # the backend refused what the gateway sent: a gateway bug
-                message, code_name = f"backend refused a step: {code.name}: {details}", "INTERNAL"
-        else:
-            message, code_name = "internal error in the gateway's step loop", "INTERNAL"
-        log.error("%s: failing %d request(s)", message, len(self._requests))
-        for request in list(self._requests.values()):
-            self._end_request(request, "failed", (code_name, message))
-        self._requests.clear()
-        self.scheduler.reset_all()
-        self.scheduler.waiting.clear()
-        self._needs_reset = True
-        self._stopping.wait(0.5)
-
-    def _update_gauges(self) -> None:
-        waiting = len(self.scheduler.waiting)
-        self._num_waiting = waiting
-        metrics.WAITING.set(waiting)
-        metrics.RUNNING.set(len(self.scheduler.running))
+        """`listener(serving)` is called now and whenever the gateway turns SERVING (some
+        loop serving) or NOT_SERVING (none); the server wires it to its health status."""
+        self._listener = listener
+        if listener is not None:
+            listener(self._serving)
 
     def new_seed(self) -> int:
         return random.getrandbits(63)
 
+    # ----- requests (any thread) -----------------------------------------------------------
 
-def _backend_info(reply: runner_pb2.InfoResponse) -> BackendInfo:
-    return BackendInfo(
-        model=reply.model, architecture=reply.architecture, vocab_size=reply.vocab_size,
-        eos_token_ids=list(reply.eos_token_ids), max_model_len=reply.max_model_len,
-        num_blocks=reply.num_blocks, block_size=reply.block_size, dtype=reply.dtype,
-        device=reply.device, epoch=reply.epoch,
-    )
+    def problem(self) -> str:
+        """Why the gateway cannot serve now ("" when some runner loop is serving)."""
+        loops = self.loops
+        if any(loop.health.serving for loop in loops):
+            return ""
+        if not loops:
+            return "no runner is serving (" + (
+                "--runner " + ", ".join(self._static.values()) + " not answering"
+                if self._static else "none is registered with the block service") + ")"
+        return "; ".join(loop.health.problem() for loop in loops)
 
+    def submit(self, request: Request) -> None:
+        """Places a validated request; AdmissionError when the waiting queue is full."""
+        if self._stopping.is_set():
+            raise AdmissionError("the gateway is shutting down")
+        queued = sum(loop.num_queued for loop in self.loops) + len(self._unplaced)
+        if queued >= self.config.max_waiting:
+            raise AdmissionError(
+                f"waiting queue full ({self.config.max_waiting} requests): retry later")
+        problem = self.problem()
+        if problem:
+            # Not queued: no runner can take it, so the request would only hang.
+            request.fail("UNAVAILABLE", f"pagewire cannot serve now: {problem}; retry later")
+            metrics.REQUESTS.labels("unavailable").inc()
+            return
+        self._place(request)
 
-def _split_logprobs(reply: runner_pb2.ExecuteResponse) -> list[TokenLogprobs]:
-    """Per sampled sequence, its logprobs (empty list when the runner sent none)."""
-    if not reply.logprobs:
-        return []
-    result: list[TokenLogprobs] = []
-    cursor = 0
-    counts = list(reply.top_counts) or [0] * len(reply.logprobs)
-    top_ids = list(reply.top_token_ids)
-    top_lps = list(reply.top_logprobs)
-    for logprob, count in zip(reply.logprobs, counts, strict=True):
-        result.append(TokenLogprobs(logprob, top_ids[cursor:cursor + count],
-                                    top_lps[cursor:cursor + count]))
-        cursor += count
-    return result
+    def abort(self, request_id: str) -> None:
+        """Asks the request's loop to end it and free its blocks in its next step."""
+        with self._lock:
+            placed = self._placed.get(request_id)
+            if placed is None:
+                self._aborted_unplaced.add(request_id)
+                return
+        placed[1].abort(request_id)
+
+    def _place(self, request: Request, since: float | None = None) -> None:
+        """Hands a request to a serving loop, or keeps it until there is one (waiting since
+        `since`: now when not given)."""
+        loops = [loop for loop in self.loops if loop.health.serving]
+        with self._lock:
+            if request.request_id in self._aborted_unplaced:
+                self._aborted_unplaced.discard(request.request_id)
+                request.abort_outputs()
+                request.flush()
+                return
+            if not loops:
+                self._unplaced.append((request, since or time.monotonic()))
+                return
+        loop = loops[0] if len(loops) == 1 else self._route(request, loops)
+        with self._lock:
+            self._placed[request.request_id] = (request, loop)
+        metrics.PLACED_REQUESTS.labels(loop.address).inc()
+        loop.submit(request)
+
+    def _route(self, request: Request, loops: list[RunnerLoop]) -> RunnerLoop:
+        """The block service's choice among `loops` (the least queued one if it cannot
+        answer)."""
+        by_pool = {loop.pool_id: loop for loop in loops}
+        first = request.sequences[0]  # prompt and what it generated before a move
+        try:
+            reply = self._blocks.Route(block_pb2.RouteRequest(
+                client_name=self.config.client_name, token_ids=first.token_ids,
+                cache_salt=request.cache_salt, policy=self._policy,  # type: ignore[arg-type]
+                num_seqs=len(request.sequences), pool_ids=list(by_pool)),
+                timeout=self.retry.control_timeout_s)
+            chosen = by_pool.get(reply.pool_id)
+            if chosen is not None:
+                return chosen
+        except grpc.RpcError as error:
+            log.warning("Route failed (%s): placing by local queue length",
+                        error.code())  # type: ignore[attr-defined]
+        return min(loops, key=lambda loop: loop.num_queued)
+
+    # ----- membership (membership thread) --------------------------------------------------
+
+    def _watch_membership(self) -> None:
+        while not self._stopping.wait(MEMBERSHIP_POLL_S):
+            try:
+                self._update_membership()
+            except Exception:  # a bug must not end membership for good
+                log.exception("membership update failed")
+
+    def _update_membership(self, refusals_raise: bool = False) -> None:
+        """Registers the --runner runners, starts loops for runners that joined, retires
+        those of runners that left, and places what waits for a runner."""
+        for pool_id, address in self._static.items():
+            self._register(pool_id, address, refusals_raise)
+        try:
+            reply = self._blocks.ListRunners(block_pb2.ListRunnersRequest(),
+                                             timeout=self.retry.control_timeout_s)
+        except grpc.RpcError as error:
+            # The block service is down: the loops notice and wait for it; keep them.
+            log.debug("ListRunners: %s", error.code())  # type: ignore[attr-defined]
+            if refusals_raise and error.code() not in RETRYABLE:  # type: ignore[attr-defined]
+                raise
+            return
+        live = {runner.pool.pool_id: runner.pool.address for runner in reply.runners
+                if not self._static or runner.pool.pool_id in self._static}
+        with self._lock:
+            gone = [pool_id for pool_id in self._loops if pool_id not in live]
+            joined = [pool_id for pool_id in live if pool_id not in self._loops]
+        for pool_id in gone:
+            self._retire(pool_id)
+        for pool_id in joined:
+            self._start_loop(pool_id, live[pool_id])
+        self._place_unplaced()
+        self._forget_finished()
+
+    def _register(self, pool_id: str, address: str, refusals_raise: bool) -> None:
+        """Registers a --runner runner (renewing its lease) if it answers Info."""
+        channel = self._channel(pool_id, address)
+        try:
+            info = runner_pb2_grpc.RunnerServiceStub(channel).Info(
+                runner_pb2.InfoRequest(), timeout=1.0)
+            self._blocks.RegisterRunner(block_pb2.RegisterRunnerRequest(
+                pool_id=pool_id, address=address, num_blocks=info.num_blocks,
+                block_size=info.block_size, epoch=info.epoch, lease_ttl_ms=RUNNER_LEASE_MS),
+                timeout=self.retry.control_timeout_s)
+        except grpc.RpcError as error:
+            code = error.code()  # type: ignore[attr-defined]
+            if code not in RETRYABLE and refusals_raise:
+                raise
+            if code not in RETRYABLE:
+                log.warning("registering runner %s: %s: %s", address, code.name,
+                            error.details())  # type: ignore[attr-defined]
+
+    def _channel(self, pool_id: str, address: str) -> grpc.Channel:
+        channel = self._channels.get(pool_id)
+        if channel is None:
+            channel = self._channels[pool_id] = self._open_runner_channel(address)
+        return channel
+
+    def _start_loop(self, pool_id: str, address: str) -> None:
+        loop = RunnerLoop(self.config, pool_id, address, self._block_channel,
+                          self._channel(pool_id, address))
+        try:
+            info = loop.start(LOOP_START_TIMEOUT_S)
+        except grpc.RpcError as error:
+            log.warning("runner %s joined but does not answer (%s): next time",
+                        address, error.code())  # type: ignore[attr-defined]
+            loop.stop()
+            return
+        first = self.info
+        if first is not None and (info.model, info.vocab_size, info.eos_token_ids) != (
+                first.model, first.vocab_size, first.eos_token_ids):
+            log.error("runner %s serves %s (vocabulary %d), not %s (%d): not serving it",
+                      address, info.model, info.vocab_size, first.model, first.vocab_size)
+            loop.stop()
+            return
+        self.info = first or info
+        with self._lock:
+            self._loops[pool_id] = loop
+        loop.set_health_listener(lambda _serving: self._health_changed())
+        log.info("serving runner %s (pool %s, %d blocks of %d)", address, pool_id,
+                 info.num_blocks, info.block_size)
+
+    def _retire(self, pool_id: str) -> None:
+        """The runner left: its loop ends and its requests are placed again."""
+        with self._lock:
+            loop = self._loops.pop(pool_id)
+            # Aborts from here on wait for the request's next placement.
+            for request_id in [key for key, (_, at) in self._placed.items() if at is loop]:
+                del self._placed[request_id]
+        requests = loop.retire()
+        log.warning("runner %s left: moving %d request(s) to %d other runner(s)",
+                    loop.address, len(requests), len(self._loops))
+        metrics.MOVED_REQUESTS.inc(len(requests))
+        self._health_changed()
+        for request in requests:
+            self._place(request)
+
+    def _place_unplaced(self) -> None:
+        with self._lock:
+            unplaced, self._unplaced = self._unplaced, []
+        now = time.monotonic()
+        for request, since in unplaced:
+            if request.closed:
+                continue
+            if now - since > self.retry.give_up_s:
+                request.fail("UNAVAILABLE", f"no runner to serve it for "
+                                            f"{self.retry.give_up_s:.0f} s")
+                metrics.REQUESTS.labels("failed").inc()
+                continue
+            self._place(request, since)
+
+    def _forget_finished(self) -> None:
+        with self._lock:
+            for request_id in [key for key, (request, _) in self._placed.items()
+                               if request.closed]:
+                del self._placed[request_id]
+
+    def _health_changed(self) -> None:
+        serving = any(loop.health.serving for loop in self.loops)
+        if serving == self._serving:
+            return
+        self._serving = serving
+        listener = self._listener
+        if listener is not None:
+            listener(serving)

@@ -1,7 +1,9 @@
 """`pagewire serve`: the three services as processes on localhost, supervised together.
 
-The block service and the runner listen on free internal ports; the gateway on --port
-(50051). The launcher waits until each answers health SERVING, then watches them. A service
+The block service and the runners listen on free internal ports; the gateways on --port
+(50051) and the ports after it. Runners register with the block service and gateways serve
+every registered runner (docs/scaling.md); with several runners the machine's cores are split
+between them. The launcher waits until each answers health SERVING, then watches them. A service
 that dies is restarted on the same port, after a backoff that doubles with each quick death
 (0.5 s up to 30 s; back to 0.5 s once it has run for a minute), and the launcher logs why it
 died (exit code or signal). The block service journals into a folder of this serve run, so
@@ -50,6 +52,9 @@ class LaunchConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    runners: int = 1  # runner processes (each its own KV pool)
+    gateways: int = 1  # gateway processes, on port, port + 1, ...
+    routing: str | None = None  # the gateways' --routing
     runner_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     journal_dir: Path | None = None  # the block service's journal (default: under log_dir)
@@ -178,7 +183,6 @@ class Launcher:
         # gateways alone, so they stay on loopback whatever --host says.
         host = INTERNAL_HOST
         block_address = f"{host}:{free_port(host)}"
-        runner_address = f"{host}:{free_port(host)}"
         py = [sys.executable, "-m"]
         self._start_child(Child(
             "block_service", [*py, "block_service", "--host", host,
@@ -186,16 +190,25 @@ class Launcher:
                               "--journal-dir", str(self.journal_dir),
                               "--nice", str(self.config.services_nice)],
             block_address, self.log_dir / "block_service.log"))
-        self._start_child(Child(
-            "gpu_runner", [*py, "gpu_runner", "--host", host,
-                           "--port", runner_address.rsplit(":", 1)[1], *self._runner_flags()],
-            runner_address, self.log_dir / "gpu_runner.log"))
-        self._start_child(Child(
-            "gateway", [*py, "gateway", "--host", self.config.host,
-                        "--port", str(self.config.port),
-                        "--block-service", block_address, "--runner", runner_address,
-                        "--nice", str(self.config.services_nice), *self._gateway_flags()],
-            self.gateway_address, self.log_dir / "gateway.log"))
+        for index in range(self.config.runners):
+            port = free_port(host)
+            name = "gpu_runner" if self.config.runners == 1 else f"gpu_runner-{index}"
+            self._start_child(Child(
+                name, [*py, "gpu_runner", "--host", host, "--port", str(port),
+                       "--block-service", block_address, *self._runner_flags()],
+                f"{host}:{port}", self.log_dir / f"{name}.log"))
+        for index in range(self.config.gateways):
+            name = "gateway" if self.config.gateways == 1 else f"gateway-{index}"
+            port = self.config.port + index
+            self._start_child(Child(
+                name, [*py, "gateway", "--host", self.config.host, "--port", str(port),
+                       "--block-service", block_address,
+                       "--nice", str(self.config.services_nice), *self._gateway_flags()],
+                f"{self.config.host}:{port}", self.log_dir / f"{name}.log"))
+
+    @property
+    def gateway_addresses(self) -> list[str]:
+        return [f"{self.config.host}:{self.config.port + i}" for i in range(self.config.gateways)]
 
     def _runner_flags(self) -> list[str]:
         c = self.config
@@ -205,13 +218,16 @@ class Launcher:
                             ("--max-model-len", c.max_model_len)):
             if value is not None:
                 flags += [name, str(value)]
+        if c.runners > 1 and "--num-threads" not in c.runner_args:
+            # The runners share this machine's cores: a thread team each would oversubscribe.
+            flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // c.runners))]
         return [*flags, *c.runner_args]
 
     def _gateway_flags(self) -> list[str]:
         c = self.config
         flags = ["--model", c.model or "default", "--metrics-port", str(c.metrics_port)]
         for name, value in (("--max-num-batched-tokens", c.max_num_batched_tokens),
-                            ("--max-num-seqs", c.max_num_seqs)):
+                            ("--max-num-seqs", c.max_num_seqs), ("--routing", c.routing)):
             if value is not None:
                 flags += [name, str(value)]
         return flags
@@ -291,5 +307,5 @@ def serving_banner(address: str) -> str:
         "        pagewire chat --address " + address,
         "        grpcurl -plaintext -d '{\"prompt\": \"Hello\", \"sampling_params\": "
         "{\"max_tokens\": 32}}' " + address + " pagewire.gateway.v1.GenerationService/Generate",
-        "  Ctrl-C stops all three services.",
+        "  Ctrl-C stops every service.",
     ])

@@ -24,8 +24,13 @@ BATCH_TOKENS = Histogram(
 REQUESTS = Counter(
     "pagewire_gateway_requests", "Generate requests by how they ended", ["outcome"]
 )
-RUNNING = Gauge("pagewire_gateway_running_sequences", "Sequences holding blocks")
-WAITING = Gauge("pagewire_gateway_waiting_sequences", "Sequences queued for admission")
+RUNNING = Gauge("pagewire_gateway_running_sequences", "Sequences holding blocks", ["runner"])
+WAITING = Gauge("pagewire_gateway_waiting_sequences", "Sequences queued for admission",
+                ["runner"])
+PLACED_REQUESTS = Counter("pagewire_gateway_placed_requests",
+                          "Requests placed on a runner (a moved one again)", ["runner"])
+MOVED_REQUESTS = Counter("pagewire_gateway_moved_requests",
+                         "Requests moved off a runner that left, to be recomputed elsewhere")
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 STEP_SECONDS = Histogram(
     "pagewire_gateway_block_step_seconds", "Block-service Step round trips",

@@ -53,8 +53,8 @@ class Gateway:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model)
         self._block_channel = _backend_channel(config, config.block_service)
-        self._runner_channel = _backend_channel(config, config.runner)
-        self.engine = Engine(config, self._block_channel, self._runner_channel)
+        self.engine = Engine(config, self._block_channel,
+                             lambda address: _backend_channel(config, address))
         self.service: GrpcService | None = None
         self.servicer: GenerationServicer | None = None
         self._options = options
@@ -80,7 +80,6 @@ class Gateway:
         if self.service is not None:
             self.service.stop()
         self._block_channel.close()
-        self._runner_channel.close()
 
 
 def _backend_channel(config: GatewayConfig, address: str) -> grpc.Channel:
@@ -110,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     gateway = Gateway(config, options)
     service = gateway.start()
-    log.info("gateway serving on %s:%d (block service %s, runner %s)", args.host, service.port,
-             gateway.config.block_service, gateway.config.runner)
+    log.info("gateway serving on %s:%d (block service %s, runners %s)", args.host,
+             service.port, gateway.config.block_service,
+             ", ".join(gateway.config.runners) or "registered with it")
     return run_until_signal(service, on_stop=gateway.stop)

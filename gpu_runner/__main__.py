@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from common.log import setup_logging
+from common.registration import PoolShape, Registration, add_registration_arguments
 from common.server import add_server_arguments, server_options_from_args, start_server
 from gpu_runner.attention.selection import BACKEND_CHOICES
 from gpu_runner.layers.linear import LINEAR_BACKENDS
@@ -60,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="no CUDA graphs for decode batches")
     parser.add_argument("--record-batches", type=Path, default=None,
                         help="append every executed ExecuteRequest to this file (benchmarks)")
+    add_registration_arguments(parser)
     args = parser.parse_args(argv)
     return args
 
@@ -100,8 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     # A dead tensor-parallel worker: stop serving (Execute answers UNAVAILABLE).
     runner.on_failure(lambda _reason: service.set_serving(False))
     log.info("serving %s on port %d (epoch %d)", runner.folder.name, service.port, runner.epoch)
+    registration = Registration.from_args(args, service.port, lambda: PoolShape(
+        runner.info().num_blocks, runner.info().block_size, runner.epoch))
+    if registration is not None:
+        registration.start()
 
     def stop() -> None:
+        if registration is not None:
+            registration.stop()
         servicer.close()
         runner.close()
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.engine import (
+from gateway.retry import (
     BACKEND_DOWN_TIMEOUT_ENV,
     RPC_TIMEOUT_ENV,
     DependencyHealth,

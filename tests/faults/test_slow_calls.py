@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 from common.server import ServerOptions
 from gateway.client import PagewireClient
 from gateway.config import GatewayConfig
-from gateway.engine import BACKEND_DOWN_TIMEOUT_ENV
+from gateway.retry import BACKEND_DOWN_TIMEOUT_ENV
 from gateway.server import Gateway
 from gateway.tokenizer import Tokenizer
 from tests.faults.conftest import (
@@ -112,7 +112,7 @@ def in_process_gateway(stack: Stack, tiny_qwen3: Path, monkeypatch: pytest.Monke
     """A gateway in this process, its health wired to its engine's view of the backends."""
     monkeypatch.setenv(BACKEND_DOWN_TIMEOUT_ENV, str(BACKEND_DOWN_TIMEOUT_S))
     config = GatewayConfig(block_service=stack.block_service.address,
-                           runner=stack.runner.address, model=str(tiny_qwen3),
+                           runners=[stack.runner.address], model=str(tiny_qwen3),
                            lease_ttl_ms=LEASE_TTL_MS)
     gateway = Gateway(config, ServerOptions(port=0, max_workers=32), Tokenizer(tiny_qwen3))
     service = gateway.start(timeout_s=60)

@@ -43,7 +43,7 @@ def start_fake_runner(runner: FakeRunner) -> GrpcService:
 
 def start_gateway(tokenizer: Tokenizer, block_address: str, runner_address: str,
                   **settings: object) -> Gateway:
-    config = GatewayConfig(block_service=block_address, runner=runner_address,
+    config = GatewayConfig(block_service=block_address, runners=[runner_address],
                            **settings)  # type: ignore[arg-type]
     gateway = Gateway(config, ServerOptions(port=0, max_workers=64), tokenizer)
     gateway.start(timeout_s=30)

@@ -209,7 +209,7 @@ def test_full_waiting_queue_is_resource_exhausted(
     try:
         running = busy.client.generate(token_ids=[5, 6, 7], max_tokens=2, temperature=0)
         deadline = time.monotonic() + 5
-        while busy.gateway.engine.scheduler.running == [] and time.monotonic() < deadline:
+        while busy.gateway.engine.loops[0].scheduler.running == [] and time.monotonic() < deadline:
             time.sleep(0.01)
         queued = busy.client.generate(token_ids=[5, 6, 8], max_tokens=2, temperature=0)
         time.sleep(0.2)  # let the engine take the second request into its queue

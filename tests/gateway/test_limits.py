@@ -34,7 +34,7 @@ class LimitedGateway:
         self.runner = FakeRunner(num_blocks=128, block_size=4, epoch=21)
         self.runner_server = start_fake_runner(self.runner)
         config = GatewayConfig(block_service=block_service.address,
-                               runner=f"127.0.0.1:{self.runner_server.port}",
+                               runners=[f"127.0.0.1:{self.runner_server.port}"],
                                **LIMITS)  # type: ignore[arg-type]
         options = ServerOptions(port=0, max_workers=32, max_message_bytes=MAX_MESSAGE_BYTES,
                                 auth_tokens=TOKENS)
