@@ -15,6 +15,8 @@ import enum
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from block_service.events import NO_EVENTS, EventSink
+
 
 class Publish(enum.Enum):
     """What publishing a block's hash did."""
@@ -26,6 +28,11 @@ class Publish(enum.Enum):
 
 class BlockPool:
     """Free list, ref counts and hash -> block map of `num_blocks` blocks of `block_size`."""
+
+    # Told of every hash published or dropped (block_service/events.py). A class default, so
+    # that an unpickled pool, which has none of its own, reports to nobody until a
+    # subscriber attaches a log.
+    events: EventSink = NO_EVENTS
 
     def __init__(
         self, num_blocks: int, block_size: int, free_order: Sequence[int] | None = None
@@ -122,6 +129,7 @@ class BlockPool:
             self.block_hashes[block] = block_hash
             self.block_parents[block] = parent_hash
             self.block_tokens[block] = tokens
+            self.events.stored(block_hash, parent_hash, tokens)
             return Publish.REGISTERED
         if self.block_parents[holder] == parent_hash and self.block_tokens[holder] == tokens:
             return Publish.DUPLICATE
@@ -135,3 +143,11 @@ class BlockPool:
             self.block_hashes[block] = None
             self.block_parents[block] = None
             self.block_tokens[block] = None
+            self.events.removed(block_hash)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled (in journal snapshots) without its event log: the log holds a lock and
+        its subscribers' place, which mean nothing to another process."""
+        state = self.__dict__.copy()
+        state.pop("events", None)
+        return state

@@ -36,6 +36,7 @@ class ErrorCode(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"  # a KV event batch number past the newest
 
 
 class BlockServiceError(Exception):

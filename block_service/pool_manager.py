@@ -321,6 +321,9 @@ class PoolManager:
             self.stale.setdefault(session_id, set()).update(seqs)
         self.seqs = {}
         self.epoch = epoch
+        events = self.pool.events  # the pool's subscribers follow it into the new epoch
         self.pool = BlockPool(num_blocks, block_size)
+        self.pool.events = events
+        events.cleared()
         self.block_size = block_size
         self.shift = block_size.bit_length() - 1

@@ -13,6 +13,7 @@ from typing import TypeVar
 import grpc
 
 from block_service.core import BlockServiceCore
+from block_service.events_servicer import KvEventsServicer
 from block_service.ops import STATUS_OK, BlockServiceError, PoolInfo, StepResult
 from common.handlers import lenient_handlers
 from protos import block_pb2, block_pb2_grpc
@@ -47,7 +48,7 @@ def step_response(result: StepResult) -> block_pb2.StepResponse:
 UNARY_THREADS = 4
 
 
-class BlockServicer(block_pb2_grpc.BlockServiceServicer):
+class BlockServicer(KvEventsServicer, block_pb2_grpc.BlockServiceServicer):
     """Translates BlockService RPCs to BlockServiceCore calls."""
 
     def __init__(self, core: BlockServiceCore, max_step_streams: int) -> None:
@@ -191,7 +192,8 @@ class BlockServicer(block_pb2_grpc.BlockServiceServicer):
             request.num_seqs, request.pool_ids[:]))
         return block_pb2.RouteResponse(pool_id=chosen.pool_id, candidates=[
             block_pb2.RouteCandidate(pool_id=c.pool_id, num_cached_tokens=c.num_cached_tokens,
-                                     load_tokens=c.load_tokens, cost=c.cost)
+                                     load_tokens=c.load_tokens, cost=c.cost,
+                                     num_pending_tokens=c.num_pending_tokens)
             for c in candidates])
 
 
