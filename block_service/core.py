@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from block_service.events import KvEventLogs, Subscription
+from block_service.hashing import chain_hashes, root_hash
 from block_service.journal import Journal
 from block_service.ops import (
     NOT_CHANGED,
@@ -141,6 +143,7 @@ class BlockServiceCore:
     def __init__(self, lease_policy: LeasePolicy | None = None, limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self.kv_events = KvEventLogs(self._lock)
         self.pools: dict[str, PoolManager] = {}
         self.sessions = SessionTable(lease_policy or LeasePolicy(), clock)
         self.limits = limits or Limits()
@@ -156,6 +159,7 @@ class BlockServiceCore:
 
     def _record(self, kind: int, args: tuple[Any, ...]) -> None:
         """Journals one state change (under the lock, before the call answers)."""
+        self.kv_events.flush()  # the call's KV events become one numbered batch per pool
         journal = self._journal
         if journal is None:
             return
@@ -357,7 +361,9 @@ class BlockServiceCore:
     def _drop_pool(self, pool_id: str) -> None:
         """A registered runner left (its lease ran out): its pool and every sequence in it
         are gone; their sessions' next operations on it answer NOT_FOUND."""
-        self.pools.pop(pool_id, None)
+        pm = self.pools.pop(pool_id, None)
+        if pm is not None:
+            self.kv_events.close(pm)  # a last AllBlocksCleared; its subscribers then end
         self.runner_addresses.pop(pool_id, None)
         self.registry.forget(pool_id)
 
@@ -392,15 +398,27 @@ class BlockServiceCore:
             if not pools:
                 raise BlockServiceError(ErrorCode.NOT_FOUND, "no live runner to route to" + (
                     f" among the {len(allowed)} pools named" if allowed else ""))
+            root = root_hash(cache_salt)
+            hashes: dict[int, list[bytes]] = {}  # by block size: the prompt's full blocks
             candidates = []
             for pm in pools:
+                size = pm.block_size
+                if size not in hashes:
+                    hashes[size] = chain_hashes(token_ids, size, len(token_ids) // size, root)
                 cached = pm.match_prefix(token_ids, cache_salt)
+                pending = size * self.registry.pending_blocks(pm.pool_id, hashes[size])
                 load = self.registry.load(pm).load_tokens
-                candidates.append(Candidate(pm.pool_id, cached, load,
-                                            len(token_ids) - cached + load))
+                # A pending prefix is queued work this request shares, not a wait in front
+                # of it: it leaves the pool's load as it leaves the prompt.
+                cost = len(token_ids) - max(cached, pending) + max(0, load - pending)
+                candidates.append(Candidate(pm.pool_id, cached, load, cost, pending))
             chosen = self.registry.choose(policy, candidates)
-            self.registry.add_routed(client_name, chosen.pool_id, chosen.cost
-                                     - chosen.load_tokens + DECODE_WEIGHT_TOKENS * num_seqs)
+            # What the request adds there: the prompt tokens it computes, and its outputs.
+            held = max(chosen.num_cached_tokens, chosen.num_pending_tokens)
+            self.registry.add_routed(client_name, chosen.pool_id, len(token_ids) - held
+                                     + DECODE_WEIGHT_TOKENS * num_seqs)
+            self.registry.add_pending(chosen.pool_id,
+                                      hashes[self.pools[chosen.pool_id].block_size])
             return chosen, candidates
 
     def get_pool(self, pool_id: str) -> PoolInfo:
@@ -579,3 +597,15 @@ class BlockServiceCore:
             raise invalid("cache_salts names an operation index past the last operation")
         for salt in salts.values():
             check_text("cache_salt", salt, MAX_CACHE_SALT_BYTES)
+
+    # ---- KV events (block_service/events.py, docs/kv_events.md) ---------------------------
+    def subscribe_events(self, pool_id: str, after_sequence: int,
+                         instance_id: str) -> Subscription:
+        """A pool's KV event batches after `after_sequence` of `instance_id`: a snapshot
+        first for 0, another instance, or a number the replay buffer no longer holds.
+
+        NOT_FOUND for an unknown pool, OUT_OF_RANGE for a number past the newest batch.
+        """
+        check_text("pool_id", pool_id, MAX_POOL_ID_BYTES)
+        with self._lock:
+            return self.kv_events.subscribe(self._pool(pool_id), after_sequence, instance_id)

@@ -12,9 +12,14 @@ Load of a pool, in tokens (what `load_tokens` reports):
            + what routes placed there since the router's own loop last stepped the pool
            + the uncomputed tokens of the pool's live sequences
     load   = queued + DECODE_WEIGHT_TOKENS x live sequences
-Policies (RoutingPolicy): `prefix` picks the lowest cost = prompt tokens not cached there +
-load; `least-loaded` the lowest load; `round-robin` each live pool in turn. Ties go to the
-pool after the last one chosen, so equal runners take turns.
+Policies (RoutingPolicy): `prefix` picks the lowest
+    cost = prompt tokens - max(cached, pending) + max(0, load - pending)
+where `cached` is the pool's computed cached prefix of the prompt and `pending` its pending
+prefix: the leading full blocks of prompts routed there in the last PENDING_PREFIX_TTL_S,
+which it is computing now (queued work this request shares, so it leaves the load too).
+Without it, a burst of requests with a new shared prefix would be spread by load and every
+runner would compute the prefix. `least-loaded` picks the lowest load, `round-robin` each
+live pool in turn. Ties go to the pool after the last one chosen, so equal runners take turns.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ DECODE_WEIGHT_TOKENS = 16
 # A route's addition to a pool's load counts until the router's loop for that pool steps
 # (its report then includes the request), or this long at most (a router that died).
 ROUTED_FIGURE_TTL_S = 5.0
+# A routed prompt's blocks count as held by its pool this long (it computes them meanwhile,
+# then they are cached for real) or until another route places them elsewhere.
+PENDING_PREFIX_TTL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class Candidate:
     num_cached_tokens: int
     load_tokens: int
     cost: int
+    num_pending_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class RunnerRegistry:
     waiting: dict[str, tuple[str, int]] = field(default_factory=dict)
     # (router client name, pool id) -> (tokens routed there since its loop stepped, when)
     routed: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+    # block hash -> {pool id: when} of the full blocks of recently routed prompts
+    pending: dict[bytes, dict[str, float]] = field(default_factory=dict)
     last_chosen: str = ""
 
     # ---- leases --------------------------------------------------------------------------
@@ -96,6 +107,8 @@ class RunnerRegistry:
         self.deadline.pop(pool_id, None)
         for key in [key for key in self.routed if key[1] == pool_id]:
             del self.routed[key]
+        for pools in self.pending.values():
+            pools.pop(pool_id, None)
 
     # ---- load figures --------------------------------------------------------------------
     def report(self, session_id: str, client_name: str, pool_id: str, tokens: int) -> None:
@@ -138,6 +151,27 @@ class RunnerRegistry:
             chosen = min(turn, key=lambda c: (c.cost, c.load_tokens))
         self.last_chosen = chosen.pool_id
         return chosen
+
+    def pending_blocks(self, pool_id: str, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of a prompt (by chained hash) are pending on the pool."""
+        now = self.clock()
+        count = 0
+        for digest in hashes:
+            at = self.pending.get(digest, {}).get(pool_id)
+            if at is None or now - at >= PENDING_PREFIX_TTL_S:
+                break
+            count += 1
+        return count
+
+    def add_pending(self, pool_id: str, hashes: Sequence[bytes]) -> None:
+        """Marks a routed prompt's blocks as being computed on the pool."""
+        now = self.clock()
+        if len(self.pending) > 2 * len(hashes) + 65536:  # drop the expired now and then
+            self.pending = {digest: fresh for digest, pools in self.pending.items()
+                            if (fresh := {pool: at for pool, at in pools.items()
+                                          if now - at < PENDING_PREFIX_TTL_S})}
+        for digest in hashes:
+            self.pending.setdefault(digest, {})[pool_id] = now
 
     def add_routed(self, client_name: str, pool_id: str, tokens: int) -> None:
         """Counts a placed request in the pool's load until the router's loop reports."""

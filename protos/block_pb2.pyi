@@ -435,16 +435,18 @@ class RouteResponse(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
-    __slots__ = ("pool_id", "num_cached_tokens", "load_tokens", "cost")
+    __slots__ = ("pool_id", "num_cached_tokens", "load_tokens", "cost", "num_pending_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_cached_tokens: int
     load_tokens: int
     cost: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load_tokens: _Optional[int] = ..., cost: _Optional[int] = ...) -> None: ...
+    num_pending_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., load_tokens: _Optional[int] = ..., cost: _Optional[int] = ..., num_pending_tokens: _Optional[int] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ("pool_id", "after_sequence", "instance_id")

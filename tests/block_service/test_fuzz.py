@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from block_service.core import BlockServiceCore, Limits
+from block_service.events import PoolEvents
 from block_service.journal import Journal, JournalPolicy, read_journal
 from block_service.servicer import SERVICE, SERVICE_NAME, register
 from block_service.sessions import LeasePolicy
@@ -66,12 +67,18 @@ ALLOWED: dict[str, set[grpc.StatusCode]] = {
     "StepStream": SESSION,  # as Step; RESOURCE_EXHAUSTED also: no thread for another stream
     "MatchPrefix": COMMON | {C.NOT_FOUND},
     "GetStats": COMMON | {C.NOT_FOUND},
+    "RegisterRunner": COMMON | {C.FAILED_PRECONDITION},  # same epoch, other shape; max_pools
+    "ListRunners": COMMON,
+    "Route": COMMON | {C.NOT_FOUND},  # no live runner (among those named)
+    # OUT_OF_RANGE: a batch number past the newest; RESOURCE_EXHAUSTED also: no thread left
+    "SubscribeKvEvents": COMMON | {C.NOT_FOUND, C.OUT_OF_RANGE},
 }
 
 
 # The BlockServiceCore methods the servicer calls (one per RPC; StepStream calls step).
 CORE_ENTRIES = ("open_session", "keep_alive", "close_session", "create_pool", "get_pool",
-                "allocate", "append", "free", "fork", "step", "match_prefix", "stats")
+                "allocate", "append", "free", "fork", "step", "match_prefix", "stats",
+                "register_runner", "list_runners", "route", "subscribe_events")
 
 
 @dataclass
@@ -288,8 +295,16 @@ def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
         "MatchPrefix": st.builds(pb.MatchPrefixRequest, pool_id=pool_st, token_ids=tokens_st,
                                  cache_salt=text_st),
         "GetStats": st.builds(pb.GetStatsRequest, pool_id=pool_st),
+        "RegisterRunner": st.builds(pb.RegisterRunnerRequest, pool_id=pool_st, address=text_st,
+                                    num_blocks=uint32_st, block_size=uint32_st,
+                                    epoch=uint64_st, lease_ttl_ms=uint32_st),
+        "ListRunners": st.just(pb.ListRunnersRequest()),
+        "Route": st.builds(pb.RouteRequest, client_name=text_st, token_ids=tokens_st,
+                           cache_salt=text_st, policy=enum_st, num_seqs=uint32_st,
+                           pool_ids=st.lists(pool_st, max_size=3)),
     }
     messages["StepStream"] = messages["Step"]  # sent as a stream of one
+    messages["SubscribeKvEvents"] = subscriptions(core, pool_st)
     assert set(messages) == {method.name for method in SERVICE.methods}
     return st.sampled_from(sorted(messages)).flatmap(
         lambda name: st.tuples(st.just(name), messages[name]))
@@ -310,6 +325,7 @@ class Tally:
     runs: int = 0
     reached_core: int = 0
     codes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    reached_by_method: Counter[str] = field(default_factory=Counter)
 
     def record(self, server: Server, name: str, call: Callable[[], Any]) -> grpc.StatusCode:
         """Makes the call; counts it and whether it entered the core. The server handles a
@@ -318,7 +334,9 @@ class Tally:
         self.runs += 1
         before = server.core_calls.count
         code = call_code(call)
-        self.reached_core += server.core_calls.count > before
+        reached = server.core_calls.count > before
+        self.reached_core += reached
+        self.reached_by_method[name] += reached
         self.codes[name, code.name] += 1
         assert code not in NEVER, (name, code)
         return code
@@ -330,6 +348,13 @@ class Tally:
 
     def share(self, count: int) -> float:
         return count / max(1, self.runs)
+
+    def method_shares(self, name: str) -> tuple[int, float, float]:
+        """One method's examples, and the shares of them that reached the core and that
+        were answered OK."""
+        runs = sum(n for (method, _), n in self.codes.items() if method == name)
+        return (runs, self.reached_by_method[name] / max(1, runs),
+                self.codes[name, C.OK.name] / max(1, runs))
 
     def report(self, what: str) -> str:
         by_method: dict[str, list[str]] = {}
@@ -370,6 +395,9 @@ def test_hostile_messages_get_documented_statuses(server: Server) -> None:
         if name == "StepStream":
             code = tally.record(server, name, lambda: list(
                 server.stub.StepStream(iter([message]), timeout=10)))
+        elif name == "SubscribeKvEvents":
+            code = tally.record(server, name, lambda: first_batch(
+                server.stub.SubscribeKvEvents(message, timeout=FIRST_BATCH_S)))
         else:
             code = tally.record(server, name, lambda: getattr(server.stub, name)(
                 message, timeout=10))
@@ -390,6 +418,7 @@ def test_hostile_messages_get_documented_statuses(server: Server) -> None:
     # checked from 1000 on.
     if tally.runs >= 1000:
         assert tally.share(tally.answered_ok) >= 0.05, report
+    assert_subscriptions_fuzzed(tally, min_reached=0.9, min_ok=0.3)
     assert_still_serving(server)
 
 
@@ -423,6 +452,12 @@ def seed_requests(session_id: str, closable_id: str) -> dict[str, bytes]:
         "Step": step, "StepStream": step,
         "MatchPrefix": pb.MatchPrefixRequest(pool_id=POOL, token_ids=[1, 2, 3, 4]),
         "GetStats": pb.GetStatsRequest(pool_id=POOL),
+        "RegisterRunner": pb.RegisterRunnerRequest(pool_id="fuzz-runner", address="127.0.0.1:1",
+                                                   num_blocks=64, block_size=4, epoch=1,
+                                                   lease_ttl_ms=60_000),
+        "ListRunners": pb.ListRunnersRequest(),
+        "Route": pb.RouteRequest(client_name="raw", token_ids=[1, 2, 3, 4]),
+        "SubscribeKvEvents": pb.SubscribeKvEventsRequest(pool_id=POOL),
     }
     return {name: message.SerializeToString() for name, message in seeds.items()}
 
@@ -448,6 +483,9 @@ def mutated(seed: bytes) -> st.SearchStrategy[bytes]:
 def test_raw_bytes_get_documented_statuses(server: Server) -> None:
     def raw_call(method: Any) -> Callable[[bytes], Any]:
         path = f"/{SERVICE_NAME}/{method.name}"
+        if method.server_streaming and not method.client_streaming:
+            subscribe = server.channel.unary_stream(path)
+            return lambda data: first_batch(subscribe(data, timeout=FIRST_BATCH_S))
         if method.client_streaming:
             stream = server.channel.stream_stream(path)
             return lambda data: list(stream(iter([data]), timeout=10))
@@ -488,7 +526,55 @@ def test_raw_bytes_get_documented_statuses(server: Server) -> None:
     # chance at 500.
     assert tally.share(tally.reached_core) >= 0.15, report
     assert tally.share(tally.answered_ok) >= 0.05, report
+    assert_subscriptions_fuzzed(tally, min_reached=0.15, min_ok=0.1)
     assert_still_serving(server)
+
+
+# ---- SubscribeKvEvents (server streaming) ----------------------------------------------------
+# A subscription's first batch comes at once (a snapshot, or the batches after a resume
+# point), unless it resumes at the newest batch: then it waits for the next state change, and
+# the fuzzer stops waiting after FIRST_BATCH_S.
+FIRST_BATCH_S = 0.25
+
+
+def first_batch(call: Any) -> None:
+    """Reads a subscription's first batch, or its error, then cancels it. A stream still
+    waiting at its deadline has accepted the subscription: that counts as OK."""
+    try:
+        next(call, None)
+    except grpc.RpcError as error:
+        if error.code() != C.DEADLINE_EXCEEDED:
+            raise
+    finally:
+        call.cancel()
+
+
+def subscriptions(core: BlockServiceCore, pool_st: st.SearchStrategy[str]
+                  ) -> st.SearchStrategy[block_pb2.SubscribeKvEventsRequest]:
+    """Subscriptions with hostile numbers and instance ids, or (half the time) the server's
+    own instance id and a number near the pool's newest batch (-3 .. +1): with drawn ones
+    alone, a resume and OUT_OF_RANGE would never happen."""
+    def near_newest(pool_id: str, offset: int) -> block_pb2.SubscribeKvEventsRequest:
+        pm = core.pools.get(pool_id)
+        log = pm.pool.events if pm is not None else None
+        newest = log.newest if isinstance(log, PoolEvents) else 0
+        return block_pb2.SubscribeKvEventsRequest(
+            pool_id=pool_id, after_sequence=max(0, newest + offset),
+            instance_id=core.kv_events.instance_id)
+
+    return st.one_of(
+        st.builds(block_pb2.SubscribeKvEventsRequest, pool_id=pool_st,
+                  after_sequence=uint64_st, instance_id=text_st),
+        st.builds(near_newest, pool_st, st.integers(-3, 1)))
+
+
+def assert_subscriptions_fuzzed(tally: Tally, min_reached: float, min_ok: float) -> None:
+    """Enough SubscribeKvEvents examples got into the core's subscribe_events, and past it."""
+    runs, reached, ok = tally.method_shares("SubscribeKvEvents")
+    report = f"SubscribeKvEvents: {runs} examples, {reached:.0%} reached the core, {ok:.0%} OK"
+    print(report)
+    if runs >= 20:  # a short run (PAGEWIRE_FUZZ_EXAMPLES=50) draws a handful
+        assert reached >= min_reached and ok >= min_ok, report
 
 
 # ---- what the fuzzer found -----------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 
 import pytest
 
@@ -88,14 +89,14 @@ def test_prefix_policy_goes_where_the_prefix_is_cached(core: BlockServiceCore) -
     register(core, "a")
     register(core, "b")
     session, _ = core.open_session("gw", 60_000)
-    allocate(core, session, "b", 1, PREFIX + [1, 2, 3], 1)
-    chosen, candidates = core.route("gw", PREFIX + [9, 9, 9, 9, 9])
+    allocate(core, session, "b", 1, [*PREFIX, 1, 2, 3], 1)
+    chosen, candidates = core.route("gw", [*PREFIX, 9, 9, 9, 9, 9])
     assert chosen.pool_id == "b"
     by_pool = {c.pool_id: c for c in candidates}
     assert by_pool["b"].num_cached_tokens == len(PREFIX)
     assert by_pool["a"].num_cached_tokens == 0
     # A tenant's salt sees none of it.
-    _, candidates = core.route("gw", PREFIX + [9], cache_salt="tenant")
+    _, candidates = core.route("gw", [*PREFIX, 9], cache_salt="tenant")
     assert {c.num_cached_tokens for c in candidates} == {0}
 
 
@@ -106,8 +107,9 @@ def test_prefix_policy_leaves_an_overloaded_holder(core: BlockServiceCore) -> No
     register(core, "b", blocks=256)
     session, _ = core.open_session("gw", 60_000)
     allocate(core, session, "b", 1, PREFIX, 1)
-    prompt = PREFIX + [5]
+    prompt = [*PREFIX, 5]
     _, candidates = core.route("gw", prompt)  # b; gw's next Step on b replaces its route
+    core.registry.pending.clear()  # this test is about the computed prefix only
     by_pool = {c.pool_id: c for c in candidates}
     margin = by_pool["b"].num_cached_tokens + by_pool["a"].load_tokens - \
         by_pool["b"].load_tokens
@@ -115,6 +117,7 @@ def test_prefix_policy_leaves_an_overloaded_holder(core: BlockServiceCore) -> No
     # b's loop reports a queue just under the margin: still b; just over it: a.
     core.step(session, "b", 3, 0, [], [], [], [], [], [], num_waiting_tokens=margin - 1)
     assert core.route("gw", prompt)[0].pool_id == "b"
+    core.registry.pending.clear()
     core.step(session, "b", 4, 0, [], [], [], [], [], [], num_waiting_tokens=margin + 1)
     assert core.route("gw", prompt)[0].pool_id == "a"
 
@@ -183,5 +186,36 @@ def test_registration_survives_a_restart_from_the_journal(
     assert [(i.pool_id, i.address) for i, _ in again.list_runners()] == [
         ("a", "a.host:1"), ("b", "b.host:1"), ("c", "c.host:1")]
     assert again.registry.lease_ttl_s == {"a": 2.0, "b": 5.0, "c": 2.0}
-    assert again.route("gw", PREFIX + [1])[0].pool_id == "a"
+    assert again.route("gw", [*PREFIX, 1])[0].pool_id == "a"
     journal.close()
+
+
+def test_a_burst_with_a_new_prefix_follows_the_first_placement(core: BlockServiceCore,
+                                                                clock: FakeClock) -> None:
+    """Nothing is cached yet: the second request of a burst goes where the first one is
+    computing the prefix (its pending prefix), not to the idle runner; an unrelated one
+    goes to the idle runner."""
+    register(core, "a", ttl_ms=60_000)
+    register(core, "b", ttl_ms=60_000)
+    first, _ = core.route("gw", [*PREFIX, 1])
+    assert core.route("gw", [*PREFIX, 2])[0].pool_id == first.pool_id
+    assert core.route("gw", [9] * 40)[0].pool_id != first.pool_id
+    clock.advance(11)  # pending prefixes are forgotten; nothing was computed
+    _, candidates = core.route("gw", [*PREFIX, 3], policy=POLICY_PREFIX)
+    assert {c.num_cached_tokens for c in candidates} == {0}
+
+
+def test_each_request_on_a_pending_prefix_adds_its_own_work(core: BlockServiceCore) -> None:
+    """A request joining a pending prefix adds its uncached tokens and its output's weight to
+    the pool's load: the pool never looks lighter for taking one more request."""
+    register(core, "a", ttl_ms=60_000)
+    register(core, "b", ttl_ms=60_000)
+    long_prefix = list(range(1000, 1256))  # 64 blocks: every request below stays with it
+    first, _ = core.route("gw", [*long_prefix, 1])
+    loads = []
+    for suffix in range(2, 6):
+        chosen, candidates = core.route("gw", [*long_prefix, suffix])
+        assert chosen.pool_id == first.pool_id
+        loads.append({c.pool_id: c.load_tokens for c in candidates}[first.pool_id])
+    assert [after - before for before, after in pairwise(loads)] == [
+        1 + DECODE_WEIGHT_TOKENS] * 3
