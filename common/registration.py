@@ -46,6 +46,9 @@ def add_registration_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lease asked for: a runner gone this long stops getting work")
     parser.add_argument("--block-service-tls-ca", default="",
                         help="PEM CA of the block service's certificate: connect over TLS")
+    parser.add_argument("--block-service-tls-cert", default="",
+                        help="PEM client certificate for mutual TLS with the block service")
+    parser.add_argument("--block-service-tls-key", default="", help="its PEM private key")
     parser.add_argument("--block-service-auth-token-file", default="",
                         help="token file whose first token is sent to the block service")
 
@@ -71,7 +74,10 @@ class Registration:
         if not args.block_service:
             return None
         address = args.advertise_address or f"127.0.0.1:{port}"
-        tls = ClientTls(args.block_service_tls_ca) if args.block_service_tls_ca else None
+        tls = None
+        if args.block_service_tls_ca:
+            tls = ClientTls(args.block_service_tls_ca, args.block_service_tls_cert or None,
+                            args.block_service_tls_key or None)
         token = (read_tokens(args.block_service_auth_token_file)[0]
                  if args.block_service_auth_token_file else None)
         return cls(open_channel(args.block_service, tls, token), address, address, shape,

@@ -196,6 +196,9 @@ class Engine:
                 timeout=self.retry.control_timeout_s)
             chosen = by_pool.get(reply.pool_id)
             if chosen is not None:
+                held = next(c for c in reply.candidates if c.pool_id == reply.pool_id)
+                request.expected_cached_tokens = max(held.num_cached_tokens,
+                                                     held.num_pending_tokens)
                 return chosen
         except grpc.RpcError as error:
             log.warning("Route failed (%s): placing by local queue length",

@@ -142,6 +142,9 @@ class Request:
             OutputState(i, decode, prompt_ids, params.stop) for i in range(params.n)
         ]
         self.cached_tokens = 0
+        # What its runner was expected to hold of the prompt when it was placed there (Route):
+        # the rest is the work it queues there (load reports, runner_loop.py).
+        self.expected_cached_tokens = 0
         self.stream: queue.Queue[gateway_pb2.GenerateResponse | StreamError | None] = (
             queue.Queue()
         )

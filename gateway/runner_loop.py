@@ -478,10 +478,14 @@ class RunnerLoop:
             raise
 
     def _waiting_tokens(self) -> int:
-        """Prompt tokens queued here and not allocated yet (handed in, or waiting)."""
+        """Prompt tokens queued here, not allocated yet and not expected to be cached."""
         with self._lock:
-            handed_in = sum(len(request.prompt_ids) for request in self._inbox)
-        return handed_in + sum(seq.alloc_len for seq in self.scheduler.waiting)
+            queued = [(request, request.sequences[0].num_tokens) for request in self._inbox]
+        for seq in self.scheduler.waiting:
+            request = self._requests.get(seq.request_id)
+            if request is not None:
+                queued.append((request, seq.alloc_len))
+        return sum(max(0, tokens - request.expected_cached_tokens) for request, tokens in queued)
 
     def _apply_outcome(self, outcome: StepOutcome) -> None:
         if outcome.preempted:
