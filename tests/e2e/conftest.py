@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 
 from gateway.client import PagewireClient
 from protos import block_pb2, block_pb2_grpc, runner_pb2, runner_pb2_grpc
-from tests.helpers.services import ServiceProcess, free_port
+from tests.helpers.services import GatewayProcess, ServiceProcess, free_port
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
@@ -22,24 +21,6 @@ KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 
 def kv_bytes_for_blocks(num_blocks: int) -> int:
     return num_blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN
-
-
-@dataclass
-class GatewayProcess:
-    """A gateway process with its client and metrics port."""
-
-    process: ServiceProcess
-    metrics_port: int
-    client: PagewireClient
-
-    def metric(self, name: str) -> float:
-        """A metric's value from the gateway's /metrics page (0 when absent)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            for line in reply.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
-        return 0.0
 
 
 @dataclass
@@ -73,17 +54,22 @@ class Services:
         self.processes.append(process)
         return process
 
-    def runner(self, num_blocks: int, max_model_len: int = MAX_MODEL_LEN) -> ServiceProcess:
+    def runner(self, num_blocks: int, max_model_len: int = MAX_MODEL_LEN,
+               *args: str) -> ServiceProcess:
+        """A runner of the default model (`args`: more flags, e.g. --block-service)."""
         # The runner wants its pool to hold at least one max_model_len sequence.
         return self.start("gpu_runner", "--model", "default", "--block-size", str(BLOCK_SIZE),
                           "--kv-cache-memory", str(kv_bytes_for_blocks(num_blocks)),
-                          "--max-model-len", str(max_model_len))
+                          "--max-model-len", str(max_model_len), *args)
 
-    def gateway(self, block_service: ServiceProcess, runner: ServiceProcess,
+    def gateway(self, block_service: ServiceProcess, runner: ServiceProcess | None,
                 *args: str) -> GatewayProcess:
+        """A gateway serving `runner`, or, when None, every runner registered with the block
+        service."""
         metrics_port = free_port()
+        runner_flags = ["--runner", runner.address] if runner is not None else []
         process = self.start("gateway", "--block-service", block_service.address,
-                             "--runner", runner.address, "--model", "default",
+                             *runner_flags, "--model", "default",
                              "--metrics-port", str(metrics_port), *args)
         process.wait_serving(180)
         return GatewayProcess(process, metrics_port, PagewireClient(process.address))

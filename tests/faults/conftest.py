@@ -13,7 +13,6 @@ import json
 import os
 import random
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import pytest
 
 from gateway.client import PagewireClient
 from protos import block_pb2, block_pb2_grpc
-from tests.helpers.services import ServiceProcess, free_port
+from tests.helpers.services import GatewayProcess, ServiceProcess, free_port, scrape_metric
 from tests.helpers.tiny_models import make_tiny_model
 
 BLOCK_SIZE = 16
@@ -33,6 +32,8 @@ MAX_MODEL_LEN = 256
 # The tiny Qwen3: 4 layers x (K, V) x 2 KV heads x 32 dims x 4 bytes (float32) per token.
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4
 LEASE_TTL_MS = 2000
+# A Cluster's runners register under this lease: one gone this long loses its requests.
+REGISTRATION_LEASE_MS = 1000
 NUM_STREAMS = 32
 MAX_TOKENS = 64
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # prompt token ids: plain tokens, no special ones
@@ -150,10 +151,7 @@ class Stack:
             "--journal-dir", str(self.journal_dir), "--reap-interval-s", "0.05",
             "--min-lease-ttl-s", "0.5", "--metrics-port", str(free_port())]))
         self.block_service.wait_serving(60)
-        self.runner = self._start(ServiceProcess("gpu_runner", [
-            "--model", str(model), "--block-size", str(BLOCK_SIZE),
-            "--kv-cache-memory", str(NUM_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN),
-            "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1"]))
+        self.runner = self._start(ServiceProcess("gpu_runner", runner_args(model)))
         self.runner.wait_serving(120)
         self._block_channel = grpc.insecure_channel(self.block_service.address)
         self.blocks = block_pb2_grpc.BlockServiceStub(self._block_channel)
@@ -194,48 +192,155 @@ class Stack:
         return self.runner.address  # the gateways' default pool name
 
     def stats(self) -> block_pb2.Stats:
-        return self.blocks.GetStats(block_pb2.GetStatsRequest(pool_id=self.pool_id),
-                                    timeout=5).stats
+        return pool_stats(self.blocks, self.pool_id)
 
     def wait_idle(self, timeout_s: float = 10.0) -> block_pb2.Stats:
         """Stats once no block is referenced (the last frees ride on a gateway's next step)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = self.stats()
-            if stats.used_blocks == 0 or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
+        return wait_pool_idle(self.blocks, self.pool_id, timeout_s)
 
     def block_metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples on the block service's /metrics (matching `labels`)."""
         port = self.block_service.args[self.block_service.args.index("--metrics-port") + 1]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            if all(f'{key}="{value}"' in line for key, value in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return scrape_metric(port, name, **labels)
 
     def close(self) -> None:
         for client in self.clients:
             client.close()
         self._block_channel.close()
-        # Gateways first: their streams end before their backends go.
-        gateways_first = sorted(reversed(self.processes), key=lambda p: p.module != "gateway")
-        for process in gateways_first:
-            if process.process is not None and process.process.poll() is None:
-                try:
-                    process.terminate(10)
-                except Exception:
-                    process.kill()
+        stop_all(self.processes)
+
+
+def runner_args(model: Path) -> list[str]:
+    """The flags of a runner of the tiny model (its pool: NUM_BLOCKS blocks of BLOCK_SIZE)."""
+    return ["--model", str(model), "--block-size", str(BLOCK_SIZE),
+            "--kv-cache-memory", str(NUM_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN),
+            "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1"]
+
+
+def pool_stats(blocks: block_pb2_grpc.BlockServiceStub, pool_id: str) -> block_pb2.Stats:
+    return blocks.GetStats(block_pb2.GetStatsRequest(pool_id=pool_id), timeout=5).stats
+
+
+def wait_pool_idle(blocks: block_pb2_grpc.BlockServiceStub, pool_id: str,
+                   timeout_s: float = 10.0) -> block_pb2.Stats:
+    """A pool's stats once none of its blocks is referenced (or after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = pool_stats(blocks, pool_id)
+        if stats.used_blocks == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def stop_all(processes: Sequence[ServiceProcess]) -> None:
+    """Stops every process still running, gateways first: their streams end before their
+    backends go."""
+    gateways_first = sorted(reversed(processes), key=lambda p: p.module != "gateway")
+    for process in gateways_first:
+        if process.process is not None and process.process.poll() is None:
+            try:
+                process.terminate(10)
+            except Exception:
+                process.kill()
+
+
+class Cluster:
+    """A block service, runners that register themselves with it (--block-service, a lease
+    of REGISTRATION_LEASE_MS) and gateways that serve every registered runner (no --runner),
+    as processes in one log folder. A runner's pool id is its address.
+
+    The runners skip the GEMM tuning (--linear-backend plain): it costs ~14 s per start on
+    two cores, and these tests are about where requests run, not how fast."""
+
+    def __init__(self, log_dir: Path, model: Path) -> None:
+        self.log_dir = log_dir
+        self.model = model
+        self.processes: list[ServiceProcess] = []
+        self.runners: list[ServiceProcess] = []
+        self.gateways: list[GatewayProcess] = []
+        self.block_service = self._start(ServiceProcess("block_service", [
+            "--reap-interval-s", "0.05", "--min-lease-ttl-s", "0.5"]))
+        self.block_service.wait_serving(60)
+        self._block_channel = grpc.insecure_channel(self.block_service.address)
+        self.blocks = block_pb2_grpc.BlockServiceStub(self._block_channel)
+
+    def _start(self, process: ServiceProcess) -> ServiceProcess:
+        process.start(self.log_dir)
+        self.processes.append(process)
+        return process
+
+    def start_runner(self) -> ServiceProcess:
+        """Starts a runner that registers itself (returns at once: wait_serving waits)."""
+        runner = self._start(ServiceProcess("gpu_runner", [
+            *runner_args(self.model), "--linear-backend", "plain",
+            "--block-service", self.block_service.address,
+            "--registration-lease-ms", str(REGISTRATION_LEASE_MS)]))
+        self.runners.append(runner)
+        return runner
+
+    def start_runners(self, count: int) -> list[ServiceProcess]:
+        """`count` runners, serving and registered."""
+        runners = [self.start_runner() for _ in range(count)]
+        for runner in runners:
+            runner.wait_serving(120)
+        wait_for(lambda: {r.address for r in runners} <= self.live_runners(), 10)
+        return runners
+
+    def start_gateways(self, count: int, *args: str) -> list[GatewayProcess]:
+        """`count` gateways serving every registered runner (`args`: more flags)."""
+        started = []
+        for _ in range(count):
+            metrics_port = free_port()
+            process = self._start(ServiceProcess("gateway", [
+                "--block-service", self.block_service.address, "--model", str(self.model),
+                "--lease-ttl-ms", str(LEASE_TTL_MS), "--metrics-port", str(metrics_port),
+                *args]))
+            started.append((process, metrics_port))
+        gateways = []
+        for process, metrics_port in started:
+            process.wait_serving(120)
+            gateways.append(GatewayProcess(process, metrics_port,
+                                           PagewireClient(process.address)))
+        self.gateways.extend(gateways)
+        return gateways
+
+    def live_runners(self) -> set[str]:
+        """The addresses of the runners registered now (ListRunners)."""
+        reply = self.blocks.ListRunners(block_pb2.ListRunnersRequest(), timeout=5)
+        return {runner.pool.address for runner in reply.runners}
+
+    def stats(self, runner: ServiceProcess) -> block_pb2.Stats:
+        """The counters of a runner's pool."""
+        return pool_stats(self.blocks, runner.address)
+
+    def wait_idle(self, runner: ServiceProcess, timeout_s: float = 10.0) -> block_pb2.Stats:
+        return wait_pool_idle(self.blocks, runner.address, timeout_s)
+
+    def placed(self, runner: ServiceProcess) -> float:
+        """Requests the gateways placed on `runner` (moved ones count again)."""
+        return sum(g.metric("pagewire_gateway_placed_requests_total", runner=runner.address)
+                   for g in self.gateways)
+
+    def close(self) -> None:
+        for gateway in self.gateways:
+            gateway.client.close()
+        self._block_channel.close()
+        stop_all(self.processes)
 
 
 @pytest.fixture
 def stack(tmp_path: Path, tiny_qwen3: Path) -> Iterator[Stack]:
     running = Stack(tmp_path, tiny_qwen3)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, tiny_qwen3: Path) -> Iterator[Cluster]:
+    """A Cluster with its block service only: the test starts runners and gateways."""
+    running = Cluster(tmp_path, tiny_qwen3)
     try:
         yield running
     finally:

@@ -41,9 +41,11 @@ def start_fake_runner(runner: FakeRunner) -> GrpcService:
     )
 
 
-def start_gateway(tokenizer: Tokenizer, block_address: str, runner_address: str,
+def start_gateway(tokenizer: Tokenizer, block_address: str, runner_address: str | None,
                   **settings: object) -> Gateway:
-    config = GatewayConfig(block_service=block_address, runners=[runner_address],
+    """A gateway serving one runner (None: every runner registered with the block service)."""
+    runners = [runner_address] if runner_address else []
+    config = GatewayConfig(block_service=block_address, runners=runners,
                            **settings)  # type: ignore[arg-type]
     gateway = Gateway(config, ServerOptions(port=0, max_workers=64), tokenizer)
     gateway.start(timeout_s=30)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.client import PagewireClient
 from gateway.launcher import free_port as free_port  # re-exported for the tests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +40,22 @@ def health_status(address: str, timeout_s: float = 1.0) -> int | None:
         except grpc.RpcError:
             return None
         return int(reply.status)
+
+
+def scrape_metric(metrics_port: int | str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples on a service's /metrics page that carry every label in
+    `labels` (0 when there is none). `name` may end with labels of its own, as written on the
+    page: 'pagewire_gateway_batch_tokens_bucket{le="16.0"}'."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + " ") and not line.startswith(name + "{"):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 @dataclass
@@ -96,3 +114,17 @@ class ServiceProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+@dataclass
+class GatewayProcess:
+    """A gateway process with its client and metrics port."""
+
+    process: ServiceProcess
+    metrics_port: int
+    client: PagewireClient
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A metric's value from the gateway's /metrics page (0 when absent); with `labels`,
+        the sum of the samples that carry them."""
+        return scrape_metric(self.metrics_port, name, **labels)
