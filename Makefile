@@ -51,6 +51,7 @@ bench: setup
 	$(PY) bench/linear.py
 	$(PY) bench/cpu_attention.py
 	$(PY) bench/serve_bench.py
+	$(PY) bench/control_plane.py
 
 # The fuzz tests of every service with ten times the examples `make test` runs.
 fuzz: setup

@@ -1,0 +1,331 @@
+"""A simulated runner: pagewire.runner.v1.RunnerService with no model, for control-plane benches.
+
+    .venv/bin/python -m bench.sim_runner --port 50100 [--count 16] [--step-ms 8]
+    .venv/bin/python bench/sim_runner.py --port 50100 ...
+
+`Execute` takes the time the cost model (`CostModel`) gives its batch, as a sleep, and answers
+one token per sampled row; nothing is computed and no KV cache exists. What it keeps of a real
+runner (gpu_runner/servicer.py, whose `StepGate` and `RetryCache` it uses):
+- one batch at a time, and a batch that names `after_step_id` waits for that step's turn;
+- pending tokens are taken from the stored answer of `after_step_id`;
+- a retried (client_id, step_id) gets its first answer again, without a second sleep;
+- FAILED_PRECONDITION for another epoch, INVALID_ARGUMENT for columns of unequal lengths (a
+  light check: slots and tables are not compared, see tests/gateway/fake_runner.py for a runner
+  that checks every slot).
+
+Tokens are deterministic: `sim_token(last token of the row, position of the sampled token,
+seed when temperature > 0)`, never below FIRST_TOKEN, so the EOS id (2) is never produced and
+every generation runs to its max_tokens. A test computes them independently.
+
+`--count N` serves N independent runners (own epoch, gate and retry memory) on ports P .. P+N-1
+in one process: gpu_runner.servicer imports torch (about 2.4 s and 260 MB per process here),
+which N processes would pay N times. Every server has grpc.health.v1 and reflection
+(common.server.start_server).
+
+Joining a block service's runner registry is not wired yet: `SimRunner.pool_shape` is the
+`shape` callback of common.registration.Registration, which registers a runner and renews its
+lease (as `python -m gpu_runner --block-service` does); with --count, each runner needs its own
+Registration with its own port as the advertised address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence, Sized
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from common.handlers import lenient_handlers  # noqa: E402
+from common.log import setup_logging  # noqa: E402
+from common.registration import PoolShape  # noqa: E402
+from common.server import (  # noqa: E402
+    GrpcService,
+    ServerOptions,
+    add_server_arguments,
+    run_until_signal,
+    server_options_from_args,
+    start_server,
+)
+from protos import runner_pb2, runner_pb2_grpc  # noqa: E402
+
+log = logging.getLogger("sim_runner")
+
+SERVICE = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"]
+DEFAULT_PORT = 50100
+VOCAB = 32000
+EOS = 2
+FIRST_TOKEN = 16  # tokens 0..15 (EOS among them) are never produced
+BLOCK_SIZE = 16
+# 32,768 blocks of 16: 524,288 tokens of 112 KiB of KV each (Qwen3-0.6B: 2 (K, V) x 28 layers
+# x 8 KV heads x 128 x 2 bytes), 56 GiB: what an H200 (141 GB) holds beside a 1.2 GB model
+# with room to spare.
+NUM_BLOCKS = 32768
+MAX_MODEL_LEN = 32768
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds one Execute takes on the simulated accelerator: fixed_s + per_decode_row_s x
+    decode rows + per_prefill_token_s x prefill tokens (a row with one new token is a decode
+    row; the new tokens of every other row are prefill tokens).
+
+    The defaults are an H200 running a 0.6B model (Qwen3-0.6B: 28 layers, 8 KV heads of 128)
+    in bf16, with CUDA graphs, contexts of about 1,000 tokens. They are assumptions, not
+    measurements; the target of the issue fixes 8 ms for a decode step at batch 256, and the
+    split below only says where such a figure comes from:
+    - fixed: the weights (1.2 GB) read once per step at ~4 TB/s achieved (of 4.8 peak), 0.3 ms,
+      plus launches, sampling and the host's share, ~0.2 ms: 0.5 ms;
+    - per decode row: its KV read, ~1,000 tokens x 112 KiB = 115 MB at ~4 TB/s = 29 µs, so
+      that 256 rows take the remaining 7.5 ms;
+    - per prefill token: 2 x 0.6 GFLOP at ~500 TFLOP/s (half of the bf16 dense peak): 2.4 µs,
+      rounded to 2.5 µs (short prompts: attention is a small part).
+    """
+
+    fixed_s: float = 0.5e-3
+    per_decode_row_s: float = 7.5e-3 / 256
+    per_prefill_token_s: float = 2.5e-6
+
+    def step_time_s(self, decode_rows: int, prefill_tokens: int = 0) -> float:
+        """The time of one Execute with these rows and tokens."""
+        if decode_rows == prefill_tokens == 0:
+            return 0.0
+        return (self.fixed_s + self.per_decode_row_s * decode_rows
+                + self.per_prefill_token_s * prefill_tokens)
+
+    def decode_step_s(self, batch: int = 256) -> float:
+        """A pure decode step of `batch` rows."""
+        return self.step_time_s(batch)
+
+    @classmethod
+    def for_decode_step(cls, seconds: float, batch: int = 256) -> CostModel:
+        """The default model scaled so that a decode step of `batch` rows takes `seconds` (0:
+        every Execute is instant)."""
+        default = cls()
+        return replace(default, **{name: getattr(default, name) * seconds
+                                   / default.decode_step_s(batch)
+                                   for name in ("fixed_s", "per_decode_row_s",
+                                                "per_prefill_token_s")})
+
+
+def sim_token(last_token: int, position: int, seed: int | None, vocab: int = VOCAB) -> int:
+    """The simulated model: the token sampled at `position` after `last_token` (and the seed
+    when sampling, None when greedy). Never below FIRST_TOKEN."""
+    value = (last_token * 1_000_003 + position * 7919) % (1 << 61)
+    if seed is not None:
+        value = (value ^ (seed * 0x9E3779B97F4A7C15 + position)) % (1 << 61)
+    return FIRST_TOKEN + value % (vocab - FIRST_TOKEN)
+
+
+@dataclass(frozen=True)
+class SimShape:
+    """What Info describes: the simulated model and KV cache."""
+
+    num_blocks: int = NUM_BLOCKS
+    block_size: int = BLOCK_SIZE
+    max_model_len: int = MAX_MODEL_LEN
+    vocab_size: int = VOCAB
+    epoch: int = 0  # 0: a new one from the clock at start, as a real runner's
+
+
+class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
+    """Answers Execute after the cost model's time; keeps no state but the last answer per
+    client (retries, pending tokens)."""
+
+    def __init__(self, cost: CostModel, shape: SimShape = SimShape(),
+                 name: str = "sim") -> None:
+        # Imported here: gpu_runner.servicer imports torch, which the cost model's users
+        # (bench/control_plane.py's load generators) do not need.
+        from gpu_runner.batch import BatchError
+        from gpu_runner.servicer import PendingStepError, RetryCache, StepGate
+
+        self._batch_error = BatchError
+        self._pending_error = PendingStepError
+        self.cost = cost
+        self.shape = shape
+        self.name = name
+        self.epoch = shape.epoch or time.time_ns()
+        self._gate = StepGate()
+        self._retries = RetryCache()
+        self._lock = threading.Lock()
+        self.executed = 0  # batches executed (retries not counted)
+
+    def Info(self, request: runner_pb2.InfoRequest, context: grpc.ServicerContext
+             ) -> runner_pb2.InfoResponse:
+        shape = self.shape
+        return runner_pb2.InfoResponse(
+            model=self.name, architecture="SimForCausalLM", vocab_size=shape.vocab_size,
+            eos_token_ids=[EOS], max_model_len=shape.max_model_len,
+            num_blocks=shape.num_blocks, block_size=shape.block_size, dtype="bfloat16",
+            device="sim", epoch=self.epoch, attention_backend="sim", tensor_parallel_size=1)
+
+    def Execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
+                ) -> runner_pb2.ExecuteResponse:
+        if request.epoch != self.epoch:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"batch built for epoch {request.epoch}, the runner's is "
+                          f"{self.epoch} (its KV cache was lost: rebuild the sequences)")
+        if request.after_step_id and not request.client_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_step_id needs a client_id")
+        try:
+            with self._gate.turn(request.client_id, request.step_id, request.after_step_id):
+                return self._execute_in_turn(request, time.perf_counter())
+        except self._pending_error as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except self._batch_error as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise AssertionError("unreachable: abort raises")
+
+    def _execute_in_turn(self, request: runner_pb2.ExecuteRequest, turn_started: float
+                         ) -> runner_pb2.ExecuteResponse:
+        cached = self._retries.lookup(request.client_id, request.step_id)
+        if cached is not None:
+            return cached
+        self._retries.fill_pending(request)
+        decode_rows, prefill_tokens = self._check(request)
+        answer = self._sample(request)
+        forward_s = self.cost.step_time_s(decode_rows, prefill_tokens)
+        # The simulated forward: what is left of its time after the work above.
+        remaining = turn_started + forward_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        answer.forward_ms = forward_s * 1e3
+        answer.total_ms = (time.perf_counter() - turn_started) * 1e3
+        self._retries.store(request.client_id, request.step_id, answer)
+        with self._lock:
+            self.executed += 1
+        return answer
+
+    def _check(self, request: runner_pb2.ExecuteRequest) -> tuple[int, int]:
+        """Column lengths only; returns (decode rows, prefill tokens)."""
+        rows = len(request.num_new_tokens)
+        columns: dict[str, Sized] = {"start_positions": request.start_positions,
+                   "block_table_lens": request.block_table_lens,
+                   "do_sample": request.do_sample, "temperatures": request.temperatures,
+                   "top_ps": request.top_ps, "top_ks": request.top_ks,
+                   "min_ps": request.min_ps, "seeds": request.seeds}
+        for name, column in columns.items():
+            if len(column) != rows:
+                raise self._batch_error(f"{name} has {len(column)} entries for {rows} rows")
+        if request.num_logprobs and len(request.num_logprobs) != rows:
+            raise self._batch_error(f"num_logprobs has {len(request.num_logprobs)} entries "
+                                    f"for {rows} rows")
+        counts = request.num_new_tokens
+        num_tokens = sum(counts)
+        if not num_tokens == len(request.token_ids) == len(request.slot_mapping):
+            raise self._batch_error(f"{num_tokens} new tokens, {len(request.token_ids)} token "
+                                    f"ids and {len(request.slot_mapping)} slots")
+        if sum(request.block_table_lens) != len(request.block_tables):
+            raise self._batch_error("block_table_lens do not add up to block_tables")
+        if len(request.copy_src_block_ids) != len(request.copy_dst_block_ids):
+            raise self._batch_error("copy sources and destinations differ in number")
+        if min(counts, default=1) < 1:
+            raise self._batch_error("every row needs at least one new token")
+        decode_rows = sum(1 for count in counts if count == 1)
+        return decode_rows, num_tokens - decode_rows
+
+    def _sample(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+        """One token per row with do_sample, in row order."""
+        tokens: list[int] = []
+        vocab = self.shape.vocab_size
+        token_ids = request.token_ids
+        end = 0
+        for count, start, sample, temperature, seed in zip(
+                request.num_new_tokens, request.start_positions, request.do_sample,
+                request.temperatures, request.seeds, strict=True):
+            end += count
+            if sample:
+                tokens.append(sim_token(token_ids[end - 1], start + count,
+                                        seed if temperature > 0 else None, vocab))
+        answer = runner_pb2.ExecuteResponse(token_ids=tokens, epoch=self.epoch)
+        if request.num_logprobs:
+            sampled = [k for k, sample in zip(request.num_logprobs, request.do_sample,
+                                              strict=True) if sample]
+            answer.logprobs.extend([-0.5] * len(tokens))
+            answer.top_counts.extend(sampled)
+            for token, k in zip(tokens, sampled, strict=True):
+                answer.top_token_ids.extend(FIRST_TOKEN + (token - FIRST_TOKEN + j)
+                                            % (vocab - FIRST_TOKEN) for j in range(k))
+                answer.top_logprobs.extend(-0.5 - j for j in range(k))
+        return answer
+
+    def pool_shape(self) -> PoolShape:
+        """What this runner registers with a block service: the `shape` callback of
+        common.registration.Registration (the hook for registration, not wired yet)."""
+        return PoolShape(self.shape.num_blocks, self.shape.block_size, self.epoch)
+
+
+def registrar(runner: SimRunner) -> Callable[[grpc.Server], None]:
+    """The `register` callback of common.server.start_server for one runner; a request that
+    does not parse gets INVALID_ARGUMENT, as from the real runner."""
+
+    def add(server: grpc.Server) -> None:
+        server.add_generic_rpc_handlers((lenient_handlers(runner, SERVICE, runner_pb2),))
+    return add
+
+
+def serve(options: ServerOptions, cost: CostModel, shape: SimShape = SimShape(),
+          count: int = 1) -> list[tuple[GrpcService, SimRunner]]:
+    """Starts `count` simulated runners on ports options.port, +1, ... (every one on a port
+    the OS chooses when options.port is 0); metrics, if any, on the first one's port."""
+    started = []
+    for index in range(count):
+        runner = SimRunner(cost, shape)
+        port = options.port + index if options.port else 0
+        service = start_server(
+            replace(options, port=port, metrics_port=options.metrics_port if index == 0 else 0),
+            registrar(runner), [SERVICE.full_name])
+        started.append((service, runner))
+    return started
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_runner",
+                                     description=__doc__.splitlines()[0])
+    add_server_arguments(parser, "sim_runner", DEFAULT_PORT)
+    parser.add_argument("--count", type=int, default=1,
+                        help="runners to serve, on --port and the ports after it")
+    parser.add_argument("--step-ms", type=float, default=CostModel().decode_step_s() * 1e3,
+                        help="a decode step of 256 rows takes this long; everything else "
+                             "scales with it (CostModel)")
+    parser.add_argument("--num-blocks", type=int, default=NUM_BLOCKS)
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    parser.add_argument("--vocab-size", type=int, default=VOCAB)
+    parser.add_argument("--epoch", type=int, default=0,
+                        help="the runners' epoch (0: from the clock at start)")
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+    if args.count < 1 or args.step_ms < 0 or args.vocab_size <= FIRST_TOKEN:
+        parser.error("need --count >= 1, --step-ms >= 0 and --vocab-size > 16")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    options = server_options_from_args(args)
+    setup_logging("sim_runner", args.log_level)
+    shape = SimShape(args.num_blocks, args.block_size, args.max_model_len, args.vocab_size,
+                     args.epoch)
+    started = serve(options, CostModel.for_decode_step(args.step_ms / 1e3), shape, args.count)
+    log.info("%d simulated runner(s) on ports %s", len(started),
+             ", ".join(str(service.port) for service, _ in started))
+
+    def stop_the_others() -> None:
+        for service, _ in started[1:]:
+            service.stop()
+
+    return run_until_signal(started[0][0], on_stop=stop_the_others)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""bench/control_plane.py counts and checks every Step (its quickest run, and its checks against
+the service's code in-process); bench/sim_runner.py answers Info and Execute as a runner does:
+deterministic tokens, pending tokens from the step before, idempotent retries."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bench import control_plane
+from bench.control_plane import BadAnswer, RunnerLoop
+from bench.sim_runner import CostModel, sim_token
+from block_service.core import BlockServiceCore
+from block_service.servicer import BlockServicer
+from protos import block_pb2, runner_pb2, runner_pb2_grpc
+from tests.helpers.services import ServiceProcess, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quickest_run_counts_steps_and_finds_every_answer_valid(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/control_plane.py", "--loops", "1,4", "--sweep-loops", "",
+         "--floor-loops", "2",
+         "--journal", "off", "--warm-s", "0.3", "--measure-s", "1", "--profile-steps", "20",
+         "--settle-max-s", "0",
+         "--results", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    data = json.loads((tmp_path / "control_plane.json").read_text())
+    assert [(row["loops"], row["batch"]) for row in data["points"]] == [(1, 256), (4, 256),
+                                                                        (2, 1)]
+    for row in data["points"]:
+        assert row["bad_answers"] == 0, row["errors"]
+        assert row["steps"] > 0
+        assert row["answers_checked"] > row["steps"]  # set-up and warm-up are checked too
+        assert row["batch"] - 6 <= row["appends_per_step"] <= row["batch"]
+        assert row["server_cpu_s"] > 0 and row["clients_cpu_s"] > 0
+    assert data["profile"]["no journal"]["steps"] == 20
+    assert "Against the target" in (tmp_path / "control_plane.md").read_text()
+
+
+def in_process_loop() -> tuple[RunnerLoop, BlockServicer]:
+    core = BlockServiceCore()
+    loop = RunnerLoop(0, seed=1)
+    core.create_pool(loop.pool_id, loop.pool_blocks, control_plane.BLOCK_SIZE, 1)
+    loop.session_id, _ = core.open_session("test", 60_000)
+    return loop, BlockServicer(core, 0)
+
+
+def test_loop_steps_check_out_against_the_service_through_frees_and_allocates() -> None:
+    loop, servicer = in_process_loop()
+    appends = allocates = frees = 0
+    for _ in range(300):
+        plan = loop.plan_step()
+        loop.check(servicer.Step(plan.request, None), plan)  # type: ignore[arg-type]
+        appends += len(plan.rows)
+        allocates += len(plan.allocates)
+        frees += len(plan.frees)
+    assert allocates > 256 and frees == allocates - 256  # sequences were replaced
+    assert appends > 290 * 250
+    assert loop.figures.checked == 300
+
+
+@pytest.mark.parametrize("damage", ["slot", "status", "new block", "step id"])
+def test_loop_check_refuses_a_wrong_answer(damage: str) -> None:
+    loop, servicer = in_process_loop()
+    for _ in range(20):  # past the set-up: decode Steps
+        plan = loop.plan_step()
+        loop.check(servicer.Step(plan.request, None), plan)  # type: ignore[arg-type]
+    while True:  # a Step in which some position starts a new block
+        plan = loop.plan_step()
+        answer = servicer.Step(plan.request, None)  # type: ignore[arg-type]
+        if any(answer.table_counts):
+            break
+        loop.check(answer, plan)
+    if damage == "slot":
+        answer.slot_mapping[7] += 1
+    elif damage == "status":
+        answer.op_statuses[3] = block_pb2.OP_STATUS_NO_SPACE
+    elif damage == "new block":
+        index = list(answer.table_counts).index(1)  # an APPEND's new block: give it one in use
+        taken = next(iter(loop.in_use))
+        shift = (answer.table_block_ids[0] - taken) * control_plane.BLOCK_SIZE
+        answer.table_block_ids[0] = taken
+        answer.slot_mapping[index - len(plan.frees)] -= shift
+    else:
+        answer.step_id += 1
+    with pytest.raises(BadAnswer):
+        loop.check(answer, plan)
+
+
+def test_cost_model_scales_from_the_decode_step() -> None:
+    model = CostModel()
+    assert model.decode_step_s(256) == pytest.approx(0.008)
+    half = CostModel.for_decode_step(0.004)
+    assert half.step_time_s(100, 500) == pytest.approx(model.step_time_s(100, 500) / 2)
+    assert CostModel.for_decode_step(0.0).step_time_s(256) == 0.0
+    assert model.step_time_s(0, 0) == 0.0
+
+
+def two_free_ports() -> int:
+    """A port P with P + 1 free as well (--count 2 serves on both)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def execute(row_tokens: list[list[int]], starts: list[int], step_id: int, epoch: int = 7,
+            after_step_id: int = 0, pending: tuple[list[int], list[int]] = ([], []),
+            ) -> runner_pb2.ExecuteRequest:
+    """A batch of one row per entry of row_tokens; row 1 samples with seed 5."""
+    rows = len(row_tokens)
+    tables = [[10 + row] for row in range(rows)]
+    slots = [tables[row][0] * 16 + starts[row] + k for row in range(rows)
+             for k in range(len(row_tokens[row]))]
+    return runner_pb2.ExecuteRequest(
+        epoch=epoch, client_id="gateway-a", step_id=step_id, after_step_id=after_step_id,
+        num_new_tokens=[len(tokens) for tokens in row_tokens], start_positions=starts,
+        token_ids=[t for tokens in row_tokens for t in tokens], slot_mapping=slots,
+        block_table_lens=[1] * rows, block_tables=[t for table in tables for t in table],
+        do_sample=[True] * rows, temperatures=[0.0, 0.7][:rows], top_ps=[1.0] * rows,
+        top_ks=[0] * rows, min_ps=[0.0] * rows, seeds=[0, 5][:rows],
+        pending_token_indices=pending[0], pending_sample_rows=pending[1])
+
+
+def test_sim_runner_answers_info_and_pending_steps_deterministically(tmp_path: Path) -> None:
+    port = two_free_ports()
+    service = ServiceProcess("bench.sim_runner", ["--count", "2", "--step-ms", "2",
+                                                  "--epoch", "7"], port=port)
+    service.start(tmp_path).wait_serving(60)
+    second = ServiceProcess("bench.sim_runner", port=port + 1)
+    second.process = service.process
+    second.wait_serving(10)
+    try:
+        with grpc.insecure_channel(service.address) as channel, \
+                grpc.insecure_channel(second.address) as other_channel:
+            stub = runner_pb2_grpc.RunnerServiceStub(channel)
+            info = stub.Info(runner_pb2.InfoRequest())
+            assert (info.model, info.vocab_size, info.block_size, info.epoch, info.device) == \
+                ("sim", 32000, 16, 7, "sim")
+            assert list(info.eos_token_ids) == [2]
+
+            # Step 1: two prompts. Step 2, sent "while 1 runs": each row's token is pending,
+            # the one step 1 samples for it.
+            first = stub.Execute(execute([[101, 102, 103], [201, 202]], [0, 0], 1))
+            assert list(first.token_ids) == [sim_token(103, 3, None), sim_token(202, 2, 5)]
+            assert min(first.token_ids) >= 16
+            cost = CostModel.for_decode_step(0.002)
+            assert first.forward_ms == pytest.approx(cost.step_time_s(0, 5) * 1e3, rel=1e-5)
+            request = execute([[0], [0]], [3, 2], 2, after_step_id=1, pending=([0, 1], [0, 1]))
+            second_step = stub.Execute(request)
+            assert list(second_step.token_ids) == [sim_token(first.token_ids[0], 4, None),
+                                                   sim_token(first.token_ids[1], 3, 5)]
+            assert second_step.forward_ms == pytest.approx(cost.step_time_s(2) * 1e3, rel=1e-5)
+            # A retry gets the first answer itself (its total_ms too): nothing ran again.
+            assert stub.Execute(request) == second_step
+
+            with pytest.raises(grpc.RpcError) as stale:
+                stub.Execute(execute([[5]], [0], 3, epoch=8))
+            assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.RpcError) as older:
+                stub.Execute(execute([[5]], [9], 1))
+            assert older.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            # The second runner is another runner: same model, its own memory of clients.
+            other = runner_pb2_grpc.RunnerServiceStub(other_channel)
+            assert other.Info(runner_pb2.InfoRequest()).epoch == 7
+            assert other.Execute(execute([[101, 102, 103]], [0], 1)).token_ids[0] == \
+                first.token_ids[0]
+            malformed_request = execute([[1], [2]], [5, 5], 2)
+            malformed_request.ClearField("seeds")  # a column short
+            with pytest.raises(grpc.RpcError) as malformed:
+                other.Execute(malformed_request)
+            assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        assert service.terminate() == 0
