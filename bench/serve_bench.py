@@ -5,7 +5,8 @@
     .venv/bin/python bench/serve_bench.py --skip vllm,hf-cb   # leave peers out
 
 Workloads (bench/workloads.py, seeded): W1 offline throughput, W2 shared prefix with prefix
-caching on and off, W3 online Poisson arrivals. W1 rows: pagewire offline (every request
+caching on and off, W3 online Poisson arrivals, W4 many prefixes over two runners under each
+routing policy (bench/w4.py). W1 rows: pagewire offline (every request
 `final_only`, one message with the whole completion, as the peers' offline APIs return it:
 the headline), pagewire streamed (a message per step per request), the ceiling (pagewire's own
 runner replaying the very batches of each offline run in-process, right after it), and the
@@ -75,6 +76,7 @@ from bench.w1 import (  # noqa: E402
     round_seed,
     run_rounds,
 )
+from bench.w4 import W4Settings, run_w4  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from common.model_store import resolve_model  # noqa: E402
 from gateway.launcher import LaunchConfig, Launcher, free_port  # noqa: E402
@@ -90,7 +92,7 @@ PEER_TIMEOUT_S = 600.0
 # A pagewire stream still running after this long fails its run, as a peer's run does after
 # --peer-timeout: a hung service must not hang the bench.
 STREAM_TIMEOUT_S = PEER_TIMEOUT_S
-STAGES = ("pagewire", "ceiling", "hf-static", "hf-cb", "vllm")
+STAGES = ("pagewire", "ceiling", "hf-static", "hf-cb", "vllm", "w4")
 PEER_NAMES = {"hf-static": "transformers static", "hf-cb": "transformers continuous",
               "vllm": "vLLM CPU"}
 
@@ -121,8 +123,10 @@ class Results:
         chart(self.data, self.folder / "serve_bench.png")
 
     def failures(self) -> list[str]:
-        return [f"{row.name}: {row.status}" for row in self.w1_rows
-                if row.status.startswith("failed")]
+        w4 = self.data.get("w4", {}).get("policies", {})
+        return [*(f"{row.name}: {row.status}" for row in self.w1_rows
+                  if row.status.startswith("failed")),
+                *(f"W4 {policy}: {row['error']}" for policy, row in w4.items() if "error" in row)]
 
 
 def _progress(label: str, total: int) -> tqdm:
@@ -390,11 +394,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated stages not to run")
     parser.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
                         help="seconds one peer run may take (its warm-up: model loading too)")
+    parser.add_argument("--w4-prefixes", type=int, default=16, help="W4's system prompts")
+    parser.add_argument("--w4-per-prefix", type=int, default=None,
+                        help="W4's requests per system prompt (default 8, --quick 4)")
+    parser.add_argument("--w4-rate", type=float, default=2.0, help="W4's arrivals per second")
     parser.add_argument("--results-dir", type=Path, default=RESULTS,
                         help="where serve_bench.{json,md,png} go (default: bench/results)")
     args = parser.parse_args(argv)
     args.w3_duration = args.w3_duration or (20.0 if args.quick else 60.0)
     args.w3_rates = args.w3_rates or ([1.0, 2.0, 3.0] if args.quick else [1.0, 2.0, 3.0, 4.0, 5.0])
+    args.w4_per_prefix = args.w4_per_prefix or (4 if args.quick else 8)
     args.stages = [s for s in (args.only or STAGES) if s not in args.skip]
     if "ceiling" in args.stages and "pagewire" not in args.stages:
         parser.error("the ceiling replays pagewire's W1 batches: run it with pagewire")
@@ -410,12 +419,19 @@ def main() -> None:
     peers = make_peers(model_dir, args.stages, args.peer_timeout, results)
     if "pagewire" in args.stages:
         run_pagewire(args, model_dir, results, peers)
-    else:
+    elif peers:
         try:
             run_w1(list(peers), results)
         finally:
             for peer in peers:
                 peer.close()
+    if "w4" in args.stages:
+        def save_w4(w4: dict[str, Any]) -> None:
+            results.data["w4"] = w4
+            results.save()
+        run_w4(W4Settings(args.w4_prefixes, args.w4_per_prefix, args.w4_rate,
+                          args.peer_timeout), save_w4,
+               lambda policy, total: _progress(f"W4 {policy}", total))
     results.data["bench_seconds"] = time.perf_counter() - started
     results.save()
     print(markdown(results.data))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench import step_profile
+from bench import step_profile, w4
 from bench.w1 import Ratio, per_round_ratio
 
 P99_TTFT_TARGET_S = 2.0
@@ -135,6 +135,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = _w1_table(results) + _w2_table(pagewire)
     if "w3" in pagewire:
         lines += _w3_table(pagewire["w3"])
+    if "w4" in results:
+        lines += w4.markdown(results["w4"])
     profiles = {name: pagewire[key] for key, name in
                 (("w1_profile", "offline"), ("w1_streamed_profile", "streamed"))
                 if key in pagewire}

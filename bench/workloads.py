@@ -54,3 +54,30 @@ def online(rate_per_s: float, duration_s: float, seed: int = 2) -> list[BenchReq
         )
         clock += rng.expovariate(rate_per_s)
     return requests
+
+
+@dataclass(frozen=True)
+class ManyPrefixes:
+    """W4's requests and the system prompts they start with."""
+
+    requests: list[BenchRequest]
+    prefixes: list[list[int]]
+    prefix_of: list[int]  # per request, the index of its prefix
+
+
+def many_prefixes(num_prefixes: int = 16, per_prefix: int = 8, rate_per_s: float = 2.0,
+                  seed: int = 4) -> ManyPrefixes:
+    """W4: `num_prefixes` system prompts of 512-1024 tokens; `per_prefix` requests each with
+    one of them plus its own 32-64-token suffix, outputs 32-64 tokens, in random order,
+    arriving as a Poisson process at `rate_per_s`."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, rng.randint(512, 1024)) for _ in range(num_prefixes)]
+    order = [index for index in range(num_prefixes) for _ in range(per_prefix)]
+    rng.shuffle(order)
+    requests: list[BenchRequest] = []
+    clock = 0.0
+    for index in order:
+        clock += rng.expovariate(rate_per_s)
+        requests.append(BenchRequest(prefixes[index] + _tokens(rng, rng.randint(32, 64)),
+                                     rng.randint(32, 64), clock))
+    return ManyPrefixes(requests, prefixes, order)
