@@ -141,3 +141,43 @@ def test_the_gateway_and_block_service_give_way_to_the_runner(launcher: Launcher
     assert nice_of_every_thread("gateway") == {SERVICES_NICE}
     assert nice_of_every_thread("block_service") == {SERVICES_NICE}
     assert nice_of_every_thread("gpu_runner") == {0}
+
+
+@pytest.mark.timeout(180)
+def test_serve_starts_many_runners_and_gateways(tmp_path: Path, tiny_qwen3: Path) -> None:
+    """`pagewire serve --runners 2 --gateways 2`: both runners register, each gateway serves
+    both, and the same greedy prompt gives the same tokens through either gateway."""
+    config = LaunchConfig(
+        model=str(tiny_qwen3), port=free_port(), block_size=BLOCK_SIZE,
+        kv_cache_memory=256 * BLOCK_SIZE * KV_BYTES_PER_TOKEN, max_model_len=MAX_MODEL_LEN,
+        runners=2, gateways=2, routing="round-robin", runner_args=["--linear-backend", "plain"],
+        log_dir=tmp_path / "logs", startup_timeout_s=120)
+    launcher = Launcher(config)
+    try:
+        launcher.start()
+        names = sorted(c.name for c in launcher.children)
+        assert names == ["block_service", "gateway-0", "gateway-1", "gpu_runner-0",
+                         "gpu_runner-1"]
+        runners = [c for c in launcher.children if c.name.startswith("gpu_runner")]
+        # Two runners share the cores: a thread team each.
+        threads = str(max(1, (os.cpu_count() or 1) // 2))
+        assert all(c.command[c.command.index("--num-threads") + 1] == threads for c in runners)
+        with grpc.insecure_channel(child(launcher, "block_service").address) as channel:
+            stub = block_pb2_grpc.BlockServiceStub(channel)
+            deadline = time.monotonic() + 10
+            while len(stub.ListRunners(block_pb2.ListRunnersRequest()).runners) < 2:
+                assert time.monotonic() < deadline, "the runners did not register"
+                time.sleep(0.1)
+            prompt = [500 + i for i in range(20)]
+            outputs = []
+            for address in launcher.gateway_addresses:
+                with PagewireClient(address) as client:
+                    # Round-robin: four requests through each gateway reach both runners.
+                    outputs += [complete_when_back(client, prompt) for _ in range(4)]
+            assert all(tokens == outputs[0] for tokens in outputs)
+            used = [stub.GetStats(block_pb2.GetStatsRequest(pool_id=c.address)).stats
+                    for c in runners]
+            assert all(stats.prompt_tokens > 0 for stats in used)
+    finally:
+        launcher.request_stop()
+        launcher.stop()
