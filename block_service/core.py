@@ -350,6 +350,21 @@ class BlockServiceCore:
             self.registry.renew(pool_id)
             return self._info(self.pools[pool_id]), round(ttl_s * 1000)
 
+    def unregister_runner(self, pool_id: str, epoch: int) -> None:
+        """A registered runner leaves now (its pool is dropped as at the end of its lease)."""
+        check_text("pool_id", pool_id, MAX_POOL_ID_BYTES)
+        with self._lock:
+            if pool_id not in self.runner_addresses:
+                raise BlockServiceError(ErrorCode.NOT_FOUND,
+                                        f"no runner registered as {shown(pool_id)}")
+            if self.pools[pool_id].epoch != epoch:
+                raise BlockServiceError(
+                    ErrorCode.FAILED_PRECONDITION,
+                    f"runner {shown(pool_id)} is registered at epoch "
+                    f"{self.pools[pool_id].epoch}, not {epoch}")
+            self._drop_pool(pool_id)
+            self._record(REC_DROP_POOL, (pool_id,))
+
     def _apply_register(self, pool_id: str, address: str, num_blocks: int, block_size: int,
                         epoch: int, ttl_s: float) -> None:
         pm = self.pools.get(pool_id)

@@ -175,6 +175,12 @@ class BlockServicer(KvEventsServicer, block_pb2_grpc.BlockServiceServicer):
             request.epoch, request.lease_ttl_ms))
         return block_pb2.RegisterRunnerResponse(pool=pool_message(info), lease_ttl_ms=ttl_ms)
 
+    def UnregisterRunner(self, request: block_pb2.UnregisterRunnerRequest,
+                         context: grpc.ServicerContext) -> block_pb2.UnregisterRunnerResponse:
+        self._call(context, lambda: self.core.unregister_runner(request.pool_id,
+                                                                request.epoch))
+        return block_pb2.UnregisterRunnerResponse()
+
     def ListRunners(self, request: block_pb2.ListRunnersRequest,
                     context: grpc.ServicerContext) -> block_pb2.ListRunnersResponse:
         runners = self.core.list_runners()

@@ -1,9 +1,10 @@
 """A runner's membership: it keeps its pool registered with the block service under a lease.
 
 A runner started with `--block-service` calls RegisterRunner at once and then every third of
-the lease it was granted, for as long as it serves. When it stops (cleanly or killed), the
-renewals stop and the block service drops the pool when the lease runs out: every gateway then
-stops sending it work and moves what it was running (docs/scaling.md, "Membership").
+the lease it was granted, for as long as it serves. A runner that stops cleanly unregisters;
+one that is killed stops renewing, and the block service drops its pool when the lease runs
+out. Either way every gateway then stops sending it work and moves what it was running
+(docs/scaling.md, "Membership").
 """
 
 from __future__ import annotations
@@ -88,8 +89,18 @@ class Registration:
         return self
 
     def stop(self) -> None:
+        """Stops renewing and leaves the registry at once (gateways move the runner's
+        requests now, not at the end of the lease); a failure to leave only means that.
+        Stopping again does nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=5)
+        try:
+            self._blocks.UnregisterRunner(block_pb2.UnregisterRunnerRequest(
+                pool_id=self.pool_id, epoch=self._shape().epoch), timeout=1.0)
+        except grpc.RpcError as error:
+            log.info("leaving the registry: %s", error.code())  # type: ignore[attr-defined]
         self._channel.close()
 
     def _run(self) -> None:

@@ -386,6 +386,18 @@ class RegisterRunnerResponse(_message.Message):
     lease_ttl_ms: int
     def __init__(self, pool: _Optional[_Union[Pool, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
+class UnregisterRunnerRequest(_message.Message):
+    __slots__ = ("pool_id", "epoch")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class UnregisterRunnerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ListRunnersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

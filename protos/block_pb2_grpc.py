@@ -105,6 +105,11 @@ class BlockServiceStub:
                 request_serializer=protos_dot_block__pb2.RegisterRunnerRequest.SerializeToString,
                 response_deserializer=protos_dot_block__pb2.RegisterRunnerResponse.FromString,
                 _registered_method=True)
+        self.UnregisterRunner = channel.unary_unary(
+                '/pagewire.block.v1.BlockService/UnregisterRunner',
+                request_serializer=protos_dot_block__pb2.UnregisterRunnerRequest.SerializeToString,
+                response_deserializer=protos_dot_block__pb2.UnregisterRunnerResponse.FromString,
+                _registered_method=True)
         self.ListRunners = channel.unary_unary(
                 '/pagewire.block.v1.BlockService/ListRunners',
                 request_serializer=protos_dot_block__pb2.ListRunnersRequest.SerializeToString,
@@ -243,6 +248,16 @@ class BlockServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnregisterRunner(self, request, context):
+        """Leaves the registry at once (a runner stopping cleanly): the pool is dropped as when its
+        lease runs out, so gateways move its requests now rather than at the lease's end.
+        NOT_FOUND if the pool is not registered; FAILED_PRECONDITION if it is registered at
+        another epoch (a newer process of the same runner).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListRunners(self, request, context):
         """The live runners (registered pools whose lease runs) with their load figures. Gateways
         poll it to learn which runners to serve.
@@ -346,6 +361,11 @@ def add_BlockServiceServicer_to_server(servicer, server):
                     servicer.RegisterRunner,
                     request_deserializer=protos_dot_block__pb2.RegisterRunnerRequest.FromString,
                     response_serializer=protos_dot_block__pb2.RegisterRunnerResponse.SerializeToString,
+            ),
+            'UnregisterRunner': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterRunner,
+                    request_deserializer=protos_dot_block__pb2.UnregisterRunnerRequest.FromString,
+                    response_serializer=protos_dot_block__pb2.UnregisterRunnerResponse.SerializeToString,
             ),
             'ListRunners': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRunners,
@@ -742,6 +762,33 @@ class BlockService:
             '/pagewire.block.v1.BlockService/RegisterRunner',
             protos_dot_block__pb2.RegisterRunnerRequest.SerializeToString,
             protos_dot_block__pb2.RegisterRunnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterRunner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.block.v1.BlockService/UnregisterRunner',
+            protos_dot_block__pb2.UnregisterRunnerRequest.SerializeToString,
+            protos_dot_block__pb2.UnregisterRunnerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,6 +68,7 @@ ALLOWED: dict[str, set[grpc.StatusCode]] = {
     "MatchPrefix": COMMON | {C.NOT_FOUND},
     "GetStats": COMMON | {C.NOT_FOUND},
     "RegisterRunner": COMMON | {C.FAILED_PRECONDITION},  # same epoch, other shape; max_pools
+    "UnregisterRunner": COMMON | {C.NOT_FOUND, C.FAILED_PRECONDITION},  # unknown; other epoch
     "ListRunners": COMMON,
     "Route": COMMON | {C.NOT_FOUND},  # no live runner (among those named)
     # OUT_OF_RANGE: a batch number past the newest; RESOURCE_EXHAUSTED also: no thread left
@@ -78,7 +79,8 @@ ALLOWED: dict[str, set[grpc.StatusCode]] = {
 # The BlockServiceCore methods the servicer calls (one per RPC; StepStream calls step).
 CORE_ENTRIES = ("open_session", "keep_alive", "close_session", "create_pool", "get_pool",
                 "allocate", "append", "free", "fork", "step", "match_prefix", "stats",
-                "register_runner", "list_runners", "route", "subscribe_events")
+                "register_runner", "unregister_runner", "list_runners", "route",
+                "subscribe_events")
 
 
 @dataclass
@@ -298,6 +300,8 @@ def requests(server: Server) -> st.SearchStrategy[tuple[str, Any]]:
         "RegisterRunner": st.builds(pb.RegisterRunnerRequest, pool_id=pool_st, address=text_st,
                                     num_blocks=uint32_st, block_size=uint32_st,
                                     epoch=uint64_st, lease_ttl_ms=uint32_st),
+        "UnregisterRunner": st.builds(pb.UnregisterRunnerRequest, pool_id=pool_st,
+                                      epoch=st.sampled_from([0, 1]) | uint64_st),
         "ListRunners": st.just(pb.ListRunnersRequest()),
         "Route": st.builds(pb.RouteRequest, client_name=text_st, token_ids=tokens_st,
                            cache_salt=text_st, policy=enum_st, num_seqs=uint32_st,
@@ -455,6 +459,7 @@ def seed_requests(session_id: str, closable_id: str) -> dict[str, bytes]:
         "RegisterRunner": pb.RegisterRunnerRequest(pool_id="fuzz-runner", address="127.0.0.1:1",
                                                    num_blocks=64, block_size=4, epoch=1,
                                                    lease_ttl_ms=60_000),
+        "UnregisterRunner": pb.UnregisterRunnerRequest(pool_id="fuzz-runner", epoch=1),
         "ListRunners": pb.ListRunnersRequest(),
         "Route": pb.RouteRequest(client_name="raw", token_ids=[1, 2, 3, 4]),
         "SubscribeKvEvents": pb.SubscribeKvEventsRequest(pool_id=POOL),

@@ -219,3 +219,15 @@ def test_each_request_on_a_pending_prefix_adds_its_own_work(core: BlockServiceCo
         loads.append({c.pool_id: c.load_tokens for c in candidates}[first.pool_id])
     assert [after - before for before, after in pairwise(loads)] == [
         1 + DECODE_WEIGHT_TOKENS] * 3
+
+
+def test_unregister_drops_the_pool_now_and_only_at_its_epoch(core: BlockServiceCore) -> None:
+    register(core, "a", epoch=3, ttl_ms=60_000)
+    with pytest.raises(BlockServiceError) as error:
+        core.unregister_runner("a", 2)  # an older process of the runner: the newer stays
+    assert error.value.code is ErrorCode.FAILED_PRECONDITION
+    core.unregister_runner("a", 3)
+    assert core.list_runners() == [] and "a" not in core.pools
+    with pytest.raises(BlockServiceError) as error:
+        core.unregister_runner("a", 3)
+    assert error.value.code is ErrorCode.NOT_FOUND
