@@ -22,10 +22,10 @@ in one process: gpu_runner.servicer imports torch (about 2.4 s and 260 MB per pr
 which N processes would pay N times. Every server has grpc.health.v1 and reflection
 (common.server.start_server).
 
-Joining a block service's runner registry is not wired yet: `SimRunner.pool_shape` is the
-`shape` callback of common.registration.Registration, which registers a runner and renews its
-lease (as `python -m gpu_runner --block-service` does); with --count, each runner needs its own
-Registration with its own port as the advertised address.
+`--block-service ADDR` registers every runner with that block service's runner registry and
+renews its lease (common.registration.Registration, as `python -m gpu_runner --block-service`
+does), each under its own address 127.0.0.1:<its port> (pool id = address), so that a gateway
+started without --runner finds them all; the registrations stop on shutdown.
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ import grpc  # noqa: E402
 
 from common.handlers import lenient_handlers  # noqa: E402
 from common.log import setup_logging  # noqa: E402
-from common.registration import PoolShape  # noqa: E402
+from common.registration import (  # noqa: E402
+    PoolShape,
+    Registration,
+    add_registration_arguments,
+)
 from common.server import (  # noqa: E402
     GrpcService,
     ServerOptions,
@@ -260,7 +264,7 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
 
     def pool_shape(self) -> PoolShape:
         """What this runner registers with a block service: the `shape` callback of
-        common.registration.Registration (the hook for registration, not wired yet)."""
+        common.registration.Registration."""
         return PoolShape(self.shape.num_blocks, self.shape.block_size, self.epoch)
 
 
@@ -304,9 +308,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--epoch", type=int, default=0,
                         help="the runners' epoch (0: from the clock at start)")
     parser.add_argument("--log-level", default=None)
+    add_registration_arguments(parser)
     args = parser.parse_args(argv)
     if args.count < 1 or args.step_ms < 0 or args.vocab_size <= FIRST_TOKEN:
         parser.error("need --count >= 1, --step-ms >= 0 and --vocab-size > 16")
+    if args.count > 1 and args.advertise_address:
+        parser.error("--advertise-address names one runner: not with --count > 1")
     return args
 
 
@@ -320,7 +327,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("%d simulated runner(s) on ports %s", len(started),
              ", ".join(str(service.port) for service, _ in started))
 
+    registrations = [registration.start() for registration in (
+        Registration.from_args(args, service.port, runner.pool_shape)
+        for service, runner in started) if registration is not None]
+
     def stop_the_others() -> None:
+        for registration in registrations:
+            registration.stop()
         for service, _ in started[1:]:
             service.stop()
 
