@@ -1055,13 +1055,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.previous is not None:
         earlier = json.loads(args.previous.read_text())
         data["previous_runs"] = [*earlier.get("previous_runs", []), run_summary(earlier)]
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "control_plane.json").write_text(json.dumps(data, indent=2))
-    text = markdown(data)
-    (args.results / "control_plane.md").write_text(text)
+    save_results(args.results, "control_plane", data, markdown(data))
+    return 1 if any(row["bad_answers"] for row in data["points"]) else 0
+
+
+def save_results(folder: Path, stem: str, data: dict[str, Any], text: str) -> None:
+    """Writes `stem`.json and `stem`.md (the table) into `folder` and prints the table."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(data, indent=2))
+    (folder / f"{stem}.md").write_text(text)
     print()
     print(text)
-    return 1 if any(row["bad_answers"] for row in data["points"]) else 0
 
 
 if __name__ == "__main__":

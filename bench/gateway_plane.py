@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
@@ -65,6 +64,7 @@ from bench.control_plane import (  # noqa: E402
     fmt,
     git_state,
     machine_busy_s,
+    save_results,
     service_counters,
     service_pid,
 )
@@ -508,12 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table([row])[-1], flush=True)
         for error in row["errors"]:
             print(f"  error: {error}", file=sys.stderr)
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "gateway_plane.json").write_text(json.dumps(data, indent=2))
-    text = markdown(data)
-    (args.results / "gateway_plane.md").write_text(text)
-    print()
-    print(text)
+    save_results(args.results, "gateway_plane", data, markdown(data))
     return 1 if any(row["error_count"] for row in data["points"]) else 0
 
 

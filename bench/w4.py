@@ -114,6 +114,13 @@ def _row(policy: str, workload: workloads.ManyPrefixes, summary: RunSummary,
     cached = sum(t.cached_tokens for t in summary.timings)
     prompt = sum(len(r.prompt_token_ids) for r in workload.requests)
     work = {pool: _work(after[pool]) - _work(before[pool]) for pool in after if pool in before}
+    # The clients' cached tokens come from the gateway's usage: the block service must have
+    # served at least as many from its caches (more when a preempted request was readmitted).
+    pool_cached = sum(after[pool].cached_prompt_tokens - before[pool].cached_prompt_tokens
+                      for pool in work)
+    if len(work) != 2 or cached > pool_cached:
+        raise RuntimeError(f"W4 {policy}: clients report {cached} cached prompt tokens, the "
+                           f"block service's {len(work)} pools {pool_cached}")
     return {
         "policy": policy,
         "requests": len(workload.requests),
@@ -125,11 +132,11 @@ def _row(policy: str, workload: workloads.ManyPrefixes, summary: RunSummary,
         "ttft_p50_s": summary.percentile("ttft", 50),
         "ttft_p99_s": summary.percentile("ttft", 99),
         "cached_tokens": cached,
+        "pool_cached_tokens": pool_cached,
         "cached_share": cached / prompt,
         "cached_of_ideal": cached / ideal_cached_tokens(workload),
         "runner_work_tokens": work,
-        "busiest_over_idlest": (max(work.values()) / max(min(work.values()), 1)
-                                if len(work) == 2 else float("nan")),
+        "busiest_over_idlest": max(work.values()) / max(min(work.values()), 1),
     }
 
 

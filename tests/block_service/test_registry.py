@@ -64,7 +64,6 @@ def test_registered_pool_is_live_until_its_lease_runs_out(core: BlockServiceCore
     with pytest.raises(BlockServiceError) as error:
         core.step(session, "a", 10, 0, [OP_APPEND], [1], [1], [5], [0], [-1])
     assert error.value.code is ErrorCode.NOT_FOUND
-    assert core.stats  # the core goes on serving
     register(core, "a", epoch=2)  # the runner comes back: a fresh, empty pool
     assert core.stats("a").num_sequences == 0
 
@@ -145,7 +144,7 @@ def test_round_robin_and_least_loaded(core: BlockServiceCore) -> None:
     allocate(core, session, "a", 1, PREFIX, 1)
     picks = [core.route("gw", PREFIX, policy=POLICY_ROUND_ROBIN)[0].pool_id for _ in range(6)]
     assert sorted(picks) == ["a", "a", "b", "b", "c", "c"]
-    assert picks[:3] != picks[3:] or len(set(picks[:3])) == 3
+    assert sorted(picks[:3]) == ["a", "b", "c"]  # each pool in turn
     # least-loaded ignores the cache: b and c carry the uncached routes above.
     chosen, candidates = core.route("x", PREFIX, policy=POLICY_LEAST_LOADED)
     assert chosen.load_tokens == min(c.load_tokens for c in candidates)
