@@ -15,7 +15,13 @@ from common.log import setup_logging
 from common.security import ClientTls
 from gateway.client import PagewireClient, finish_reason_name
 from gateway.config import ROUTING
-from gateway.launcher import SERVICES_NICE, LaunchConfig, Launcher, serving_banner
+from gateway.launcher import (
+    DEFAULT_HTTP_PORT,
+    SERVICES_NICE,
+    LaunchConfig,
+    Launcher,
+    serving_banner,
+)
 from protos import gateway_pb2
 
 log = logging.getLogger("pagewire")
@@ -63,6 +69,11 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Hugging Face folder or .gguf file (default: SmolLM2-135M)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="the gateway's port")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help="the gateway's OpenAI-compatible HTTP port (gateways: this port "
+                             "and the ports after it; 0: no HTTP API)")
+    parser.add_argument("--served-model-name", default="",
+                        help="the model name of the HTTP API (default: the model's own)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="the gateway's Prometheus port (0: off)")
     parser.add_argument("--block-size", type=int, default=None)
@@ -198,6 +209,7 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging("pagewire")
     launcher = Launcher(LaunchConfig(
         model=args.model, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        http_port=args.http_port, served_model_name=args.served_model_name,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, runners=args.runners, gateways=args.gateways,
@@ -210,7 +222,7 @@ def serve(args: argparse.Namespace) -> int:
         launcher.start()
         if args.demo:
             run_demo(launcher.gateway_address)
-        print(serving_banner(launcher.gateway_address), flush=True)
+        print(serving_banner(launcher.gateway_address, launcher.http_address), flush=True)
         return launcher.supervise()
     except RuntimeError as error:
         log.error("%s", error)

@@ -36,6 +36,9 @@ class GatewayConfig:
     """What the gateway connects to and how it schedules."""
 
     block_service: str = "127.0.0.1:50052"
+    # The OpenAI-compatible HTTP API (gateway/http/) on this port of --host; 0: not served.
+    http_port: int = 0
+    served_model_name: str = ""  # the model name of the HTTP API ("": the runner's)
     # The runners to serve (--runner); empty: every runner registered with the block service.
     runners: list[str] = field(default_factory=list)
     routing: str = "prefix"  # how a request's runner is chosen (see ROUTING)
@@ -88,6 +91,8 @@ class GatewayConfig:
             raise ValueError("--max-stop-strings must be >= 0")
         if self.routing not in ROUTING:
             raise ValueError(f"--routing {self.routing!r}: expected one of {', '.join(ROUTING)}")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port {self.http_port}: give 1-65535, or 0 for none")
         if self.pool_id and len(self.runners) != 1:
             raise ValueError("--pool-id names the pool of a single --runner")
 
@@ -101,6 +106,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = GatewayConfig()
     parser.add_argument("--block-service", default=defaults.block_service,
                         help="block service address host:port")
+    parser.add_argument("--http-port", type=int, default=defaults.http_port,
+                        help="serve the OpenAI-compatible HTTP API on this port of --host "
+                             "(0: not served; docs/api.md)")
+    parser.add_argument("--served-model-name", default="",
+                        help="the model name of the HTTP API (default: the model's own)")
     parser.add_argument("--runner", action="append", default=[], dest="runners",
                         help="a runner to serve, host:port (repeat for several); without it, "
                              "every runner registered with the block service")
@@ -156,6 +166,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """Reads the flags added by add_gateway_arguments."""
     return GatewayConfig(
         block_service=args.block_service,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
         runners=args.runners,
         routing=args.routing,
         model=args.model,

@@ -69,7 +69,7 @@ class Engine:
         self._channels: dict[str, grpc.Channel] = {}  # pool id -> its runner's channel
         self._placed: dict[str, tuple[Request, RunnerLoop]] = {}  # request id ->
         self._unplaced: list[tuple[Request, float]] = []  # (request, waiting since)
-        self._aborted_unplaced: set[str] = set()
+        self._aborted_unplaced: dict[str, Request] = {}
         self._serving = False
         self._listener: Callable[[bool], None] | None = None
         self._stopping = threading.Event()
@@ -155,22 +155,24 @@ class Engine:
             return
         self._place(request)
 
-    def abort(self, request_id: str) -> None:
-        """Asks the request's loop to end it and free its blocks in its next step."""
+    def abort(self, request: Request) -> None:
+        """Asks the request's loop to end it and free its blocks in its next step (nothing for
+        a request that has ended: the APIs call this whenever a stream closes)."""
+        if request.closed:
+            return
         with self._lock:
-            placed = self._placed.get(request_id)
-            if placed is None:
-                self._aborted_unplaced.add(request_id)
+            placed = self._placed.get(request.request_id)
+            if placed is None:  # between placements: _place ends it
+                self._aborted_unplaced[request.request_id] = request
                 return
-        placed[1].abort(request_id)
+        placed[1].abort(request.request_id)
 
     def _place(self, request: Request, since: float | None = None) -> None:
         """Hands a request to a serving loop, or keeps it until there is one (waiting since
         `since`: now when not given)."""
         loops = [loop for loop in self.loops if loop.health.serving]
         with self._lock:
-            if request.request_id in self._aborted_unplaced:
-                self._aborted_unplaced.discard(request.request_id)
+            if self._aborted_unplaced.pop(request.request_id, None) is not None:
                 request.abort_outputs()
                 request.flush()
                 return
@@ -322,6 +324,10 @@ class Engine:
             for request_id in [key for key, (request, _) in self._placed.items()
                                if request.closed]:
                 del self._placed[request_id]
+            # An abort that raced the request's end would otherwise stay here for good.
+            for request_id in [key for key, request in self._aborted_unplaced.items()
+                               if request.closed]:
+                del self._aborted_unplaced[request_id]
 
     def _health_changed(self) -> None:
         serving = any(loop.health.serving for loop in self.loops)

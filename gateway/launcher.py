@@ -37,6 +37,7 @@ _FIRST_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 30.0
 _STABLE_AFTER_S = 60.0  # a child that ran this long starts over at the first backoff
 SERVICES_NICE = 10
+DEFAULT_HTTP_PORT = 8000
 
 
 @dataclass
@@ -47,6 +48,8 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0
+    http_port: int = DEFAULT_HTTP_PORT  # the first gateway's HTTP API (0: none)
+    served_model_name: str = ""
     block_size: int | None = None
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
@@ -203,7 +206,7 @@ class Launcher:
             self._start_child(Child(
                 name, [*py, "gateway", "--host", self.config.host, "--port", str(port),
                        "--block-service", block_address,
-                       "--nice", str(self.config.services_nice), *self._gateway_flags()],
+                       "--nice", str(self.config.services_nice), *self._gateway_flags(index)],
                 f"{self.config.host}:{port}", self.log_dir / f"{name}.log"))
 
     @property
@@ -223,9 +226,18 @@ class Launcher:
             flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // c.runners))]
         return [*flags, *c.runner_args]
 
-    def _gateway_flags(self) -> list[str]:
+    @property
+    def http_address(self) -> str:
+        """The first gateway's HTTP API ("" when off)."""
+        return f"{self.config.host}:{self.config.http_port}" if self.config.http_port else ""
+
+    def _gateway_flags(self, index: int) -> list[str]:
         c = self.config
         flags = ["--model", c.model or "default", "--metrics-port", str(c.metrics_port)]
+        if c.http_port:
+            flags += ["--http-port", str(c.http_port + index)]
+        if c.served_model_name:
+            flags += ["--served-model-name", c.served_model_name]
         for name, value in (("--max-num-batched-tokens", c.max_num_batched_tokens),
                             ("--max-num-seqs", c.max_num_seqs), ("--routing", c.routing)):
             if value is not None:
@@ -299,13 +311,20 @@ class Launcher:
         signal.signal(signal.SIGTERM, handle)
 
 
-def serving_banner(address: str) -> str:
+def serving_banner(address: str, http_address: str = "") -> str:
     """Where pagewire listens and how to reach it."""
-    return "\n".join([
+    lines = [
         f"pagewire is serving on {address} (gRPC: pagewire.gateway.v1.GenerationService)",
         "  try:  pagewire generate --address " + address + ' "Tell me a joke"',
         "        pagewire chat --address " + address,
         "        grpcurl -plaintext -d '{\"prompt\": \"Hello\", \"sampling_params\": "
         "{\"max_tokens\": 32}}' " + address + " pagewire.gateway.v1.GenerationService/Generate",
-        "  Ctrl-C stops every service.",
-    ])
+    ]
+    if http_address:
+        lines += [
+            f"  OpenAI-compatible HTTP API on http://{http_address}/v1 (docs/api.md):",
+            f"        curl http://{http_address}/v1/chat/completions -H 'Content-Type: "
+            "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
+            "\"Hello\"}], \"max_tokens\": 32}'",
+        ]
+    return "\n".join([*lines, "  Ctrl-C stops every service."])

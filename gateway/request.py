@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.detokenizer import DecodeFn, IncrementalDetokenizer
 from gateway.sequence import SamplingConfig, SeqStatus
@@ -39,6 +40,13 @@ _U64 = (1 << 64) - 1
 def output_seed(request_seed: int, index: int) -> int:
     """The seed of output `index` of a request seeded with `request_seed`."""
     return (request_seed + index * _SEED_STRIDE) & _U64
+
+
+class MessageSink(Protocol):
+    """Where a request's messages go (from the engine thread): a queue.Queue for the gRPC
+    servicer's thread, an asyncio bridge for the HTTP API (gateway/http/app.py)."""
+
+    def put(self, item: gateway_pb2.GenerateResponse | StreamError | None) -> None: ...
 
 
 @dataclass
@@ -128,7 +136,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingConfig,
                  max_len: int, eos_ids: frozenset[int], decode: DecodeFn,
-                 cache_salt: str = "", public_id: str = "", final_only: bool = False) -> None:
+                 cache_salt: str = "", public_id: str = "", final_only: bool = False,
+                 stream: MessageSink | None = None) -> None:
         self.request_id = request_id  # unique inside the gateway
         self.public_id = public_id or request_id  # what the client sees
         self.prompt_ids = prompt_ids
@@ -145,9 +154,7 @@ class Request:
         # What its runner was expected to hold of the prompt when it was placed there (Route):
         # the rest is the work it queues there (load reports, runner_loop.py).
         self.expected_cached_tokens = 0
-        self.stream: queue.Queue[gateway_pb2.GenerateResponse | StreamError | None] = (
-            queue.Queue()
-        )
+        self.stream: MessageSink = stream if stream is not None else queue.Queue()
         self.closed = False
 
     def _make_sequences(self) -> list[Seq]:
@@ -243,6 +250,7 @@ class Request:
 
     def messages(self) -> Iterator[gateway_pb2.GenerateResponse | StreamError]:
         """The stream, for the servicer's thread: messages until the end marker."""
+        assert isinstance(self.stream, queue.Queue), "messages() reads the default queue"
         while True:
             item = self.stream.get()
             if item is None:

@@ -26,6 +26,7 @@ from gateway.config import (
     config_from_args,
 )
 from gateway.engine import Engine
+from gateway.http.app import HttpApi, HttpServer
 from gateway.servicer import GenerationServicer
 from gateway.tokenizer import Tokenizer, load_tokenizer
 from protos import gateway_pb2
@@ -57,6 +58,7 @@ class Gateway:
                              lambda address: _backend_channel(config, address))
         self.service: GrpcService | None = None
         self.servicer: GenerationServicer | None = None
+        self.http: HttpServer | None = None
         self._options = options
 
     def start(self, timeout_s: float = 300.0) -> GrpcService:
@@ -72,11 +74,17 @@ class Gateway:
         )
         # Health follows the backends: NOT_SERVING while the runner or block service is down.
         self.engine.set_health_listener(self.service.set_serving)
+        if self.config.http_port:
+            api = HttpApi(servicer, self._options, self.config.served_model_name)
+            self.http = HttpServer(api, self._options, self.config.http_port)
+            self.http.start()
         return self.service
 
     def stop(self) -> None:
         """Ends unfinished streams (abort), drains the server, closes the session."""
         self.engine.stop()
+        if self.http is not None:
+            self.http.stop()
         if self.service is not None:
             self.service.stop()
         self._block_channel.close()
@@ -112,4 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("gateway serving on %s:%d (block service %s, runners %s)", args.host,
              service.port, gateway.config.block_service,
              ", ".join(gateway.config.runners) or "registered with it")
+    if gateway.http is not None:
+        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", args.host,
+                 gateway.http.port)
     return run_until_signal(service, on_stop=gateway.stop)

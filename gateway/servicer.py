@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 
 from gateway.engine import AdmissionError, BackendInfo, Engine
-from gateway.request import Request, StreamError
+from gateway.request import MessageSink, Request, StreamError
 from gateway.tokenizer import CHAT_ROLES, ChatMessage, Tokenizer
 from gateway.validation import (
     InvalidRequest,
@@ -33,12 +33,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, info: BackendInfo,
                  tokens_checked: bool = False) -> None:
         """`tokens_checked`: the server verifies bearer tokens, so a token names a client."""
-        self._engine = engine
+        self.engine = engine
         self._tokens_checked = tokens_checked
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._info = info
         config = engine.config
-        self._limits = Limits(
+        self.limits = Limits(
             vocab_size=info.vocab_size,
             max_len=info.max_len,
             max_n=min(config.max_n, config.max_num_seqs, config.max_num_batched_tokens),
@@ -52,7 +52,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def Generate(self, request: gateway_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[gateway_pb2.GenerateResponse]:
         try:
-            engine_request = self._build_request(request)
+            engine_request = self.build_request(request)
         except InvalidRequest as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         client = peer_key(context.invocation_metadata(), context.peer(), self._tokens_checked)
@@ -72,11 +72,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 ) -> Iterator[gateway_pb2.GenerateResponse]:
         """Submits a validated request and yields its messages until it ends."""
         try:
-            self._engine.submit(engine_request)
+            self.engine.submit(engine_request)
         except AdmissionError as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        key = engine_request.request_id
-        context.add_callback(lambda: self._engine.abort(key))
+        context.add_callback(lambda: self.engine.abort(engine_request))
         finished = False
         try:
             for message in engine_request.messages():
@@ -87,22 +86,26 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             finished = True
         finally:
             if not finished:  # the client went away mid-stream
-                self._engine.abort(key)
+                self.engine.abort(engine_request)
 
     def Tokenize(self, request: gateway_pb2.TokenizeRequest,
                  context: grpc.ServicerContext) -> gateway_pb2.TokenizeResponse:
         try:
-            token_ids = self._prompt_ids(request)
-            check_prompt_length(len(token_ids), self._limits)
+            token_ids = self.prompt_ids(request)
+            check_prompt_length(len(token_ids), self.limits)
         except InvalidRequest as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return gateway_pb2.TokenizeResponse(
-            token_ids=token_ids, tokens=self._tokenizer.token_pieces(token_ids)
+            token_ids=token_ids, tokens=self.tokenizer.token_pieces(token_ids)
         )
+
+    def model_info(self) -> BackendInfo:
+        """The served model as the runners describe it now."""
+        return self.engine.info or self._info
 
     def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest,
                      context: grpc.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
-        info = self._engine.info or self._info
+        info = self.model_info()
         return gateway_pb2.GetModelInfoResponse(
             model=info.model, architecture=info.architecture, vocab_size=info.vocab_size,
             max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
@@ -112,37 +115,42 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     # ----- building a request --------------------------------------------------------------
 
-    def _build_request(self, request: gateway_pb2.GenerateRequest) -> Request:
+    def build_request(self, request: gateway_pb2.GenerateRequest,
+                      stream: MessageSink | None = None) -> Request:
+        """A validated engine request (InvalidRequest when it cannot be served), its messages
+        going to `stream` (default: a queue read by `Request.messages`). The HTTP API builds
+        its requests here too, so both APIs check and tokenize alike."""
         check_identifiers(request.request_id, request.cache_salt)
         if request.WhichOneof("input") == "prompt_token_ids":
-            check_prompt_length(len(request.prompt_token_ids.token_ids), self._limits)
+            check_prompt_length(len(request.prompt_token_ids.token_ids), self.limits)
             prompt_ids = list(request.prompt_token_ids.token_ids)
         else:
-            prompt_ids = self._prompt_ids(request)
-        check_prompt_ids(prompt_ids, self._limits)
-        params = sampling_config(request.sampling_params, len(prompt_ids), self._limits,
-                                 self._engine.new_seed())
+            prompt_ids = self.prompt_ids(request)
+        check_prompt_ids(prompt_ids, self.limits)
+        params = sampling_config(request.sampling_params, len(prompt_ids), self.limits,
+                                 self.engine.new_seed())
         key = uuid.uuid4().hex
         return Request(
             request_id=key,
             public_id=request.request_id or key,
             prompt_ids=prompt_ids,
             params=params,
-            max_len=self._limits.max_len,
+            max_len=self.limits.max_len,
             eos_ids=frozenset(self._info.eos_token_ids),
-            decode=self._tokenizer.decode,
+            decode=self.tokenizer.decode,
             cache_salt=request.cache_salt,
             final_only=request.final_only,
+            stream=stream,
         )
 
-    def _prompt_ids(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest
+    def prompt_ids(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest
                     ) -> list[int]:
         """Token ids of a text or chat prompt."""
         which = request.WhichOneof("input")
         if which == "prompt":
             if not request.prompt:
                 raise InvalidRequest("the prompt is empty")
-            token_ids = self._tokenizer.encode(request.prompt)
+            token_ids = self.tokenizer.encode(request.prompt)
             if not token_ids:  # characters the vocabulary has no token for are dropped
                 raise InvalidRequest("the prompt has no tokens after tokenization: the model's "
                                      "vocabulary has none for its characters")
@@ -150,7 +158,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         if which == "messages":
             messages = _chat_messages(request.messages)
             try:
-                return self._tokenizer.encode_chat(messages)
+                return self.tokenizer.encode_chat(messages)
             except ValueError as error:
                 raise InvalidRequest(str(error)) from error
         raise InvalidRequest("no prompt: set one of prompt, messages or prompt_token_ids")

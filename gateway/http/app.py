@@ -1,0 +1,399 @@
+"""The OpenAI-compatible HTTP API: a Starlette app over the gateway's engine, served by uvicorn.
+
+It runs in the gateway process, on its own thread and asyncio loop, and submits to the same
+engine as the gRPC servicer (no extra hop). Requests are built and checked by the servicer's
+`build_request`; the engine thread hands each message to the loop through `_Bridge`, and the
+stream-slot limits are shared with gRPC. docs/api.md describes the endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import ssl
+import threading
+from collections.abc import AsyncIterator, Sequence
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from common.server import ServerOptions
+from gateway.engine import AdmissionError
+from gateway.http.errors import ApiError, from_grpc_code, invalid
+from gateway.http.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    Fields,
+    Job,
+    check_model,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
+from gateway.http.responses import Answer
+from gateway.request import Request, StreamError
+from gateway.servicer import GenerationServicer
+from gateway.validation import InvalidRequest, LimitReached, check_prompt_ids
+from protos import gateway_pb2
+
+log = logging.getLogger(__name__)
+
+# Paths anyone may read, token or not: probes and scrapers (the gRPC side's health and metrics
+# port are open too).
+_OPEN_PATHS = ("/health", "/metrics", "/version")
+_Item = tuple[int, gateway_pb2.GenerateResponse | StreamError | None]
+
+
+class _Bridge:
+    """A request's message sink: puts each message, tagged with its prompt's index, on an
+    asyncio queue from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[_Item],
+                 index: int) -> None:
+        self._loop = loop
+        self._queue = queue
+        self._index = index
+
+    def put(self, item: gateway_pb2.GenerateResponse | StreamError | None) -> None:
+        # A closed loop (the server stopped) has nobody left to read.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (self._index, item))
+
+
+class HttpApi:
+    """The endpoints, over one gateway's servicer."""
+
+    def __init__(self, servicer: GenerationServicer, options: ServerOptions,
+                 served_model_name: str = "") -> None:
+        self._servicer = servicer
+        self._engine = servicer.engine
+        self._tokenizer = servicer.tokenizer
+        self._options = options
+        self._model = served_model_name or servicer.model_info().model
+        self._expected = [f"Bearer {t}".encode() for t in options.auth_tokens]
+        self._token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+        ], exception_handlers={ApiError: _error_response, 404: _not_found,
+                               405: _not_allowed, Exception: _internal_error})
+        self.app.add_middleware(_AuthMiddleware, api=self)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def authorized(self, header: str | None) -> bool:
+        if not self._expected:
+            return True
+        presented = (header or "").encode()
+        return any([hmac.compare_digest(presented, e) for e in self._expected])
+
+    # ----- endpoints ---------------------------------------------------------------------
+
+    async def models(self, request: HttpRequest) -> Response:
+        info = self._servicer.model_info()
+        return JSONResponse({"object": "list", "data": [{
+            "id": self._model, "object": "model", "created": 0, "owned_by": "pagewire",
+            "root": info.model, "max_model_len": self._servicer.limits.max_len}]})
+
+    async def completions(self, request: HttpRequest) -> Response:
+        job = parse_completion(await _body(request, self._options), self._model)
+        return await self._serve(request, job)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        job = parse_chat(await _body(request, self._options), self._model)
+        return await self._serve(request, job)
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        body = await _body(request, self._options)
+        fields = Fields(body, {"model", "prompt", "messages"})
+        tokenize = gateway_pb2.TokenizeRequest()
+        if body.get("messages") is not None:
+            tokenize.messages.CopyFrom(
+                parse_chat({"messages": body["messages"]}, self._model).requests[0].messages)
+        else:
+            tokenize.prompt = fields.string("prompt")
+        check_model(fields, self._model)
+        try:
+            token_ids = self._servicer.prompt_ids(tokenize)
+        except InvalidRequest as error:
+            raise invalid(str(error)) from None
+        return JSONResponse({"tokens": token_ids, "count": len(token_ids),
+                             "max_model_len": self._servicer.limits.max_len,
+                             "token_strs": self._tokenizer.token_pieces(token_ids)})
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        body = await _body(request, self._options)
+        fields = Fields(body, {"model", "tokens"})
+        check_model(fields, self._model)
+        token_ids = body.get("tokens")
+        if not (isinstance(token_ids, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in token_ids)):
+            raise invalid("tokens must be an array of token ids", param="tokens")
+        try:
+            check_prompt_ids(token_ids, self._servicer.limits)
+        except InvalidRequest as error:
+            raise invalid(str(error), param="tokens") from None
+        return JSONResponse({"prompt": self._tokenizer.decode(token_ids)})
+
+    async def health(self, request: HttpRequest) -> Response:
+        problem = self._engine.problem()
+        if problem:
+            return JSONResponse({"status": "NOT_SERVING", "problem": problem}, status_code=503)
+        return JSONResponse({"status": "SERVING"})
+
+    async def metrics(self, request: HttpRequest) -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self, request: HttpRequest) -> Response:
+        try:
+            return JSONResponse({"version": version("pagewire")})
+        except PackageNotFoundError:
+            return JSONResponse({"version": "unknown"})
+
+    # ----- generation --------------------------------------------------------------------
+
+    async def _serve(self, http: HttpRequest, job: Job) -> Response:
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            requests = [self._servicer.build_request(pb, _Bridge(loop, queue, i))
+                        for i, pb in enumerate(job.requests)]
+        except InvalidRequest as error:
+            raise invalid(str(error), param=_field_named(str(error))) from None
+        echo_texts = [p if isinstance(p, str) else self._tokenizer.decode(p)
+                      for p in job.echo_prompts]
+        release = self._acquire_slot(http)
+        try:
+            self._submit(requests)
+            answer = Answer(job, self._token_text, echo_texts)
+            watch = asyncio.ensure_future(_disconnected(http))
+            try:
+                first = await _next(queue, watch)
+                if not job.stream:
+                    return await self._whole(answer, queue, first, watch, len(requests))
+            finally:
+                watch.cancel()
+            _raise_if_error(first)
+        except BaseException:
+            self._abort(requests)
+            release()
+            raise
+        return StreamingResponse(self._chunks(answer, queue, first, requests, release),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    def _acquire_slot(self, http: HttpRequest) -> Any:
+        if self._expected:
+            client = f"token:{http.headers.get('authorization')}"
+        else:
+            client = http.client.host if http.client else "unknown"
+        try:
+            return self._servicer.streams.acquire(client)
+        except LimitReached as error:
+            raise ApiError(429, str(error)) from None
+
+    def _submit(self, requests: Sequence[Request]) -> None:
+        """Submits every prompt's request, or none (a full queue refuses the whole job)."""
+        for request in requests:
+            try:
+                self._engine.submit(request)
+            except AdmissionError as error:
+                raise ApiError(429, str(error)) from None
+
+    def _abort(self, requests: Sequence[Request]) -> None:
+        for request in requests:
+            self._engine.abort(request)
+
+    async def _whole(self, answer: Answer, queue: asyncio.Queue[_Item], item: _Item,
+                     watch: asyncio.Future[None], num_requests: int) -> Response:
+        remaining = num_requests
+        while True:
+            index, message = item
+            if message is None:
+                remaining -= 1
+                if remaining == 0:
+                    return JSONResponse(answer.whole())
+            else:
+                _raise_if_error(item)
+                assert isinstance(message, gateway_pb2.GenerateResponse)
+                answer.add(index, message)
+            item = await _next(queue, watch)
+
+    async def _chunks(self, answer: Answer, queue: asyncio.Queue[_Item], item: _Item,
+                      requests: Sequence[Request], release: Any) -> AsyncIterator[str]:
+        """The event stream: a chunk per message, the usage chunk when asked for, [DONE].
+        Leaving early (the client went away) aborts the requests."""
+        remaining = len(requests)
+        try:
+            while True:
+                index, message = item
+                if message is None:
+                    remaining -= 1
+                    if remaining == 0:
+                        break
+                elif isinstance(message, StreamError):
+                    # Headers are sent: the error goes in the stream, as vLLM does.
+                    error = from_grpc_code(message.code_name, message.message)
+                    yield _event(error.payload())
+                    break
+                else:
+                    if message.HasField("usage"):
+                        answer.add_usage(index, message.usage)
+                    chunk = answer.chunk(index, message)
+                    if chunk is not None:
+                        yield _event(chunk)
+                item = await queue.get()
+            if remaining == 0 and answer.job.include_usage:
+                yield _event(answer.usage_chunk())
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort(requests)
+            release()
+
+
+def _field_named(message: str) -> str | None:
+    """The request field a servicer message starts with (its messages name the field first)."""
+    word = message.split(" ", 1)[0]
+    return word if word in COMPLETION_FIELDS | CHAT_FIELDS else None
+
+
+def _raise_if_error(item: _Item) -> None:
+    message = item[1]
+    if isinstance(message, StreamError):
+        raise from_grpc_code(message.code_name, message.message)
+
+
+async def _next(queue: asyncio.Queue[_Item], watch: asyncio.Future[None]) -> _Item:
+    """The next message, or ClientDisconnect when the client goes away first."""
+    get: asyncio.Future[Any] = asyncio.ensure_future(queue.get())
+    waited: set[asyncio.Future[Any]] = {get, watch}
+    done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()
+    get.cancel()
+    raise ClientDisconnect()
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Returns when the client disconnects (the body is read by then)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _body(http: HttpRequest, options: ServerOptions) -> dict[str, Any]:
+    """The JSON body, read up to the gateway's message limit (413 past it)."""
+    limit = options.max_message_bytes
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body has {declared} bytes, over the limit of {limit}")
+    chunks = []
+    size = 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+async def _error_response(http: HttpRequest, error: Exception) -> Response:
+    assert isinstance(error, ApiError)
+    return JSONResponse(error.payload(), status_code=error.status)
+
+
+async def _not_found(http: HttpRequest, error: Exception) -> Response:
+    return await _error_response(http, ApiError(404, f"no endpoint {http.url.path}"))
+
+
+async def _not_allowed(http: HttpRequest, error: Exception) -> Response:
+    return await _error_response(
+        http, ApiError(405, f"{http.method} is not allowed on {http.url.path}"))
+
+
+async def _internal_error(http: HttpRequest, error: Exception) -> Response:
+    log.exception("HTTP %s %s failed", http.method, http.url.path)
+    return await _error_response(http, ApiError(500, f"internal error: {error}"))
+
+
+class _AuthMiddleware:
+    """401 for a call without a valid `Authorization: Bearer` token when the gateway has
+    --auth-token-file (the same tokens as the gRPC API)."""
+
+    def __init__(self, app: Any, api: HttpApi) -> None:
+        self._app = app
+        self._api = api
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not self._api.authorized(header):
+                error = ApiError(401, "missing or invalid bearer token (header Authorization: "
+                                      "Bearer <token>)")
+                response = JSONResponse(error.payload(), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+
+class HttpServer:
+    """uvicorn serving the API on a thread of its own."""
+
+    def __init__(self, api: HttpApi, options: ServerOptions, port: int) -> None:
+        tls: dict[str, Any] = {}
+        if options.tls is not None:
+            tls = {"ssl_certfile": options.tls.cert_file, "ssl_keyfile": options.tls.key_file}
+            if options.tls.client_ca_file:
+                tls.update(ssl_ca_certs=options.tls.client_ca_file,
+                           ssl_cert_reqs=ssl.CERT_REQUIRED)
+        config = uvicorn.Config(api.app, host=options.host, port=port, log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=int(
+                                    max(1, options.grace_s)), **tls)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        servers = getattr(self._server, "servers", [])
+        for server in servers:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return 0
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        waited = threading.Event()
+        deadline = timeout_s
+        while not self._server.started and self._thread.is_alive() and deadline > 0:
+            waited.wait(0.02)
+            deadline -= 0.02
+        if not self._server.started:
+            raise RuntimeError("the HTTP server did not start (is its port free?)")
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+

@@ -1,0 +1,378 @@
+"""OpenAI request bodies to GenerateRequests: every field type-checked and named in its error.
+
+The HTTP API checks here only what JSON can get wrong (types, integer ranges that protobuf
+cannot hold, the shapes of prompts and messages, fields pagewire does not serve) and leaves
+every limit that gRPC clients have too to the servicer's `build_request`, so both APIs refuse
+alike. `null` means "not given" for every optional field, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.http.errors import ApiError, invalid
+from protos import gateway_pb2
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_UINT32_MAX = (1 << 32) - 1
+_U64 = (1 << 64) - 1
+# Prompts in one /v1/completions request (each is a request of its own to the engine).
+MAX_PROMPTS = 256
+MAX_USER_CHARS = 256
+# OpenAI's default max_tokens for /v1/completions (vLLM's too); chat defaults to what fits.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+# Fields of OpenAI's API that pagewire does not serve, with the values that ask for nothing
+# (sent by clients that fill every field in): any other value is refused, never ignored.
+_UNSERVED: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "response_format": lambda v: isinstance(v, dict) and v == {"type": "text"},
+    "audio": lambda v: False,
+    "modalities": lambda v: v == ["text"],
+    "prediction": lambda v: False,
+    "reasoning_effort": lambda v: False,
+    "web_search_options": lambda v: False,
+    "store": lambda v: v is False,
+    "metadata": lambda v: v == {},
+    "service_tier": lambda v: v in ("auto", "default"),
+    "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1,
+}
+_SAMPLING_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+    "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+    # pagewire's extras (vLLM names them the same)
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "cache_salt", "stop_token_ids",
+}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs",
+                                  "top_logprobs"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+              "assistant": "assistant"}
+
+
+@dataclass
+class Job:
+    """What one HTTP request asks of the engine, and how to answer it."""
+
+    model: str
+    requests: list[gateway_pb2.GenerateRequest]  # one per prompt
+    n: int
+    stream: bool
+    include_usage: bool
+    chat: bool
+    # Completions with echo: each prompt (text, or token ids to decode), put before its outputs.
+    echo_prompts: list[str | list[int]] = field(default_factory=list)
+    # Completions: logprobs=k; chat: top_logprobs when logprobs is true. None: no logprobs.
+    logprobs: int | None = None
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object; NaN and Infinity (which JSON has not) are refused."""
+    try:
+        value = json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, bad UTF-8, huge ints
+        raise invalid(f"the body is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise invalid(f"the body must be a JSON object, not {_json_type(value)}")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+class Fields:
+    """Typed reads of a JSON object's fields; each error names the field."""
+
+    def __init__(self, body: dict[str, Any], known: set[str]) -> None:
+        for name, value in body.items():
+            if name in _UNSERVED:
+                if value is not None and not _UNSERVED[name](value):
+                    raise invalid(f"{name} is not served by pagewire", param=name)
+            elif name not in known:
+                raise invalid(f"unknown field {name!r}; this endpoint takes "
+                              f"{', '.join(sorted(known))}", param=name)
+        self.body = body
+
+    def get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def integer(self, name: str, low: int, high: int) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid(f"{name} must be an integer, got {_json_type(value)}", param=name)
+        if not low <= value <= high:
+            raise invalid(f"{name} must be in [{low}, {high}], got {value}", param=name)
+        return value
+
+    def number(self, name: str) -> float | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        return _finite(value, name)
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(f"{name} must be true or false, got {_json_type(value)}", param=name)
+        return value
+
+    def string(self, name: str, default: str = "") -> str:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise invalid(f"{name} must be a string, got {_json_type(value)}", param=name)
+        return value
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(f"{name} must be a number, got {_json_type(value)}", param=name)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float's range
+        raise invalid(f"{name} is too large", param=name) from None
+    if not math.isfinite(number):
+        raise invalid(f"{name} must be finite", param=name)
+    return number
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+# ----- the two endpoints -------------------------------------------------------------------
+
+def parse_completion(body: dict[str, Any], model: str) -> Job:
+    """A /v1/completions body; `model` is the served name it must name (when it names one)."""
+    fields = Fields(body, COMPLETION_FIELDS)
+    prompts = _completion_prompts(body.get("prompt"))
+    logprobs = fields.integer("logprobs", 0, _UINT32_MAX)
+    echo = fields.boolean("echo")
+    if echo and logprobs is not None:
+        raise invalid("echo with logprobs asks for the prompt's logprobs, which pagewire does "
+                      "not compute: drop one of them", param="echo")
+    params = _sampling_params(fields, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if logprobs is not None:
+        params.logprobs = logprobs
+    requests = []
+    for prompt in prompts:
+        request = _generate_request(fields, params)
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.prompt_token_ids.token_ids.extend(prompt)
+        requests.append(request)
+    job = _job(fields, model, requests, params, chat=False)
+    job.logprobs = logprobs
+    if echo:
+        job.echo_prompts = prompts
+    return job
+
+
+def parse_chat(body: dict[str, Any], model: str) -> Job:
+    """A /v1/chat/completions body."""
+    fields = Fields(body, CHAT_FIELDS)
+    request_messages = _chat_messages(body.get("messages"))
+    want_logprobs = fields.boolean("logprobs")
+    top = fields.integer("top_logprobs", 0, _UINT32_MAX)
+    if top is not None and not want_logprobs:
+        raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    params = _sampling_params(fields, max_key, None)
+    if want_logprobs:
+        params.logprobs = top or 0
+    request = _generate_request(fields, params)
+    request.messages.messages.extend(request_messages)
+    job = _job(fields, model, [request], params, chat=True)
+    job.logprobs = (top or 0) if want_logprobs else None
+    return job
+
+
+def _job(fields: Fields, model: str, requests: list[gateway_pb2.GenerateRequest],
+         params: gateway_pb2.SamplingParams, chat: bool) -> Job:
+    check_model(fields, model)
+    stream = fields.boolean("stream")
+    include_usage = False
+    options = fields.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options is only allowed with stream: true",
+                          param="stream_options")
+        if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
+            raise invalid("stream_options takes one field, include_usage",
+                          param="stream_options")
+        include_usage = Fields(options, {"include_usage"}).boolean("include_usage")
+    user = fields.string("user")
+    if len(user) > MAX_USER_CHARS:
+        raise invalid(f"user has {len(user)} characters, over {MAX_USER_CHARS}", param="user")
+    return Job(model=model, requests=requests, n=params.n if params.HasField("n") else 1,
+               stream=stream, include_usage=include_usage, chat=chat)
+
+
+def check_model(fields: Fields, model: str) -> None:
+    """404 when the body names a model other than the served one."""
+    asked = fields.string("model", model)
+    if asked != model:
+        raise ApiError(404, f"the model {asked[:64]!r} does not exist; this server serves "
+                            f"{model!r}", param="model", code="model_not_found")
+
+
+def _generate_request(fields: Fields, params: gateway_pb2.SamplingParams
+                      ) -> gateway_pb2.GenerateRequest:
+    request = gateway_pb2.GenerateRequest(cache_salt=fields.string("cache_salt"))
+    request.sampling_params.CopyFrom(params)
+    request.final_only = not fields.boolean("stream")
+    return request
+
+
+def _sampling_params(fields: Fields, max_key: str, default_max_tokens: int | None
+                     ) -> gateway_pb2.SamplingParams:
+    params = gateway_pb2.SamplingParams()
+    max_tokens = fields.integer(max_key, 1, _UINT32_MAX)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = fields.number(name)
+        if value is not None:
+            setattr(params, name, value)
+    top_k = fields.integer("top_k", -1, _UINT32_MAX)
+    if top_k is not None:
+        params.top_k = max(top_k, 0)  # vLLM's -1 and 0 both mean off
+    n = fields.integer("n", 1, _UINT32_MAX)
+    if n is not None:
+        params.n = n
+    seed = fields.integer("seed", -(1 << 63), _U64)
+    if seed is not None:
+        params.seed = seed & _U64
+    params.ignore_eos = fields.boolean("ignore_eos")
+    params.stop.extend(_stop_strings(fields.get("stop")))
+    params.stop_token_ids.extend(_token_list(fields.get("stop_token_ids"), "stop_token_ids"))
+    for token_id, bias in _logit_bias(fields.get("logit_bias")).items():
+        params.logit_bias[token_id] = bias
+    return params
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise invalid("stop must be a string or an array of strings", param="stop")
+
+
+def _token_list(value: Any, name: str) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int32(t) for t in value):
+        raise invalid(f"{name} must be an array of token ids (integers)", param=name)
+    return value
+
+
+def _is_int32(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)
+            and _INT32[0] <= value <= _INT32[1])
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid("logit_bias must be an object of token id -> bias", param="logit_bias")
+    biases = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and _is_int32(int(key))):
+            raise invalid(f"logit_bias key {key[:32]!r} is not a token id", param="logit_bias")
+        biases[int(key)] = _finite(bias, f"logit_bias[{key}]")
+    return biases
+
+
+def _completion_prompts(value: Any) -> list[str | list[int]]:
+    """prompt as a string, an array of strings, of token ids, or of arrays of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise invalid("prompt must be a string, an array of strings, an array of token ids "
+                      "or an array of arrays of token ids (and not empty)", param="prompt")
+    if all(_is_int32(t) for t in value):
+        return [value]
+    if len(value) > MAX_PROMPTS:
+        raise invalid(f"{len(value)} prompts, over the limit of {MAX_PROMPTS} per request",
+                      param="prompt")
+    if all(isinstance(p, str) for p in value):
+        return list(value)
+    if all(isinstance(p, list) and p and all(_is_int32(t) for t in p) for p in value):
+        return list(value)
+    raise invalid("prompt must be a string, an array of strings, an array of token ids or an "
+                  "array of non-empty arrays of token ids (32-bit integers), not a mix",
+                  param="prompt")
+
+
+def _chat_messages(value: Any) -> list[gateway_pb2.ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty array", param="messages")
+    messages = []
+    for i, message in enumerate(value):
+        name = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{name} must be an object", param=name)
+        extra = set(message) - {"role", "content"}
+        if extra:
+            raise invalid(f"{name} has fields pagewire does not serve: "
+                          f"{', '.join(sorted(extra))} (it takes role and content)",
+                          param=name)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"{name}.role must be one of {', '.join(CHAT_ROLES)}, got "
+                          f"{str(role)[:32]!r}", param=f"{name}.role")
+        messages.append(gateway_pb2.ChatMessage(
+            role=CHAT_ROLES[role], content=_content(message.get("content"), name)))
+    return messages
+
+
+def _content(value: Any, name: str) -> str:
+    """content as a string or an array of text parts (joined with newlines, as vLLM does)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str) and set(part) == {"type", "text"}):
+                raise invalid(f"{name}.content[{j}] must be a text part "
+                              f'{{"type": "text", "text": ...}}: pagewire serves text only',
+                              param=f"{name}.content")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise invalid(f"{name}.content must be a string or an array of text parts",
+                  param=f"{name}.content")

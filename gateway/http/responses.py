@@ -1,0 +1,156 @@
+"""GenerateResponse messages to OpenAI's response and stream-chunk JSON."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.http.protocol import Job
+from protos import gateway_pb2
+
+FINISH_REASONS = {
+    gateway_pb2.FINISH_REASON_STOP: "stop",
+    gateway_pb2.FINISH_REASON_LENGTH: "length",
+    gateway_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class Choice:
+    """One choice of the answer as it builds up (non-streamed answers)."""
+
+    index: int
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[gateway_pb2.PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Answer:
+    """Shapes one job's messages as OpenAI's JSON: chunks of a stream, or the whole answer."""
+
+    def __init__(self, job: Job, token_text: TokenText, echo_texts: Sequence[str]) -> None:
+        self.job = job
+        self.token_text = token_text
+        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.echo_texts = echo_texts
+        self.choices = [Choice(i) for i in range(len(job.requests) * job.n)]
+        self._usage = [gateway_pb2.Usage() for _ in job.requests]
+        self._started: set[int] = set()  # choices whose first chunk was sent
+
+    # ----- shared ------------------------------------------------------------------------
+
+    def _head(self, streamed: bool) -> dict[str, Any]:
+        if self.job.chat:
+            kind = "chat.completion.chunk" if streamed else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.job.model}
+
+    def add_usage(self, prompt_index: int, usage: gateway_pb2.Usage) -> None:
+        self._usage[prompt_index] = usage
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(u.prompt_tokens for u in self._usage)
+        completion = sum(u.completion_tokens for u in self._usage)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens
+                                                               for u in self._usage)}}
+
+    def _logprobs(self, entries: Sequence[gateway_pb2.PositionLogprobs], offset: int
+                  ) -> dict[str, Any] | None:
+        if self.job.logprobs is None:
+            return None
+        if self.job.chat:
+            return {"content": [self._chat_logprob(e) for e in entries]}
+        tokens = [self.token_text(e.token.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens,
+                "token_logprobs": [e.token.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t.token_id): t.logprob for t in e.top}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprob(self, entry: gateway_pb2.PositionLogprobs) -> dict[str, Any]:
+        def one(logprob: gateway_pb2.TokenLogprob) -> dict[str, Any]:
+            text = self.token_text(logprob.token_id)
+            return {"token": text, "logprob": logprob.logprob,
+                    "bytes": list(text.encode("utf-8", "surrogatepass"))}
+        return {**one(entry.token), "top_logprobs": [one(t) for t in entry.top]}
+
+    # ----- streamed ----------------------------------------------------------------------
+
+    def chunk(self, prompt_index: int, message: gateway_pb2.GenerateResponse
+              ) -> dict[str, Any] | None:
+        """The stream chunk of one message (None when it carries no output)."""
+        choices = []
+        for output in message.outputs:
+            index = prompt_index * self.job.n + output.index
+            choice = self.choices[index]
+            text = output.text
+            first = index not in self._started
+            if first:
+                self._started.add(index)
+                if self.echo_texts:
+                    text = self.echo_texts[prompt_index] + text
+            offset = sum(len(t) for t in choice.texts)
+            choice.texts.append(text)
+            reason = FINISH_REASONS.get(output.finish_reason)
+            entry: dict[str, Any] = {"index": index}
+            if self.job.chat:
+                delta: dict[str, Any] = {"content": text} if text or not reason else {}
+                if first:
+                    delta = {"role": "assistant", **delta}
+                entry["delta"] = delta
+            else:
+                entry["text"] = text
+            entry["logprobs"] = self._logprobs(output.logprobs, offset)
+            entry["finish_reason"] = reason
+            choices.append(entry)
+        if not choices:
+            return None
+        chunk = {**self._head(True), "choices": choices}
+        if self.job.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk with stream_options.include_usage: no choices, the usage."""
+        return {**self._head(True), "choices": [], "usage": self.usage()}
+
+    # ----- whole -------------------------------------------------------------------------
+
+    def add(self, prompt_index: int, message: gateway_pb2.GenerateResponse) -> None:
+        for output in message.outputs:
+            choice = self.choices[prompt_index * self.job.n + output.index]
+            choice.texts.append(output.text)
+            choice.logprobs.extend(output.logprobs)
+            choice.finish_reason = FINISH_REASONS.get(output.finish_reason,
+                                                      choice.finish_reason)
+        if message.HasField("usage"):
+            self.add_usage(prompt_index, message.usage)
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for choice in self.choices:
+            echo = self.echo_texts[choice.index // self.job.n] if self.echo_texts else ""
+            text = echo + "".join(choice.texts)
+            entry: dict[str, Any] = {"index": choice.index}
+            if self.job.chat:
+                entry["message"] = {"role": "assistant", "content": text}
+            else:
+                entry["text"] = text
+            entry["logprobs"] = self._logprobs(choice.logprobs, len(echo))
+            entry["finish_reason"] = choice.finish_reason
+            choices.append(entry)
+        return {**self._head(False), "choices": choices, "usage": self.usage()}
