@@ -48,7 +48,7 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0
-    http_port: int = DEFAULT_HTTP_PORT  # the first gateway's HTTP API (0: none)
+    http_port: int = 0  # the first gateway's HTTP API (0: none; the CLI defaults to 8000)
     served_model_name: str = ""
     block_size: int | None = None
     kv_cache_memory: int | None = None
