@@ -25,7 +25,8 @@ class Choice:
     """One choice of the answer as it builds up (non-streamed answers)."""
 
     index: int
-    texts: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # whole answers only
+    streamed_chars: int = 0  # streams: text sent so far (logprobs' text_offset)
     logprobs: list[gateway_pb2.PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -103,8 +104,8 @@ class Answer:
                 self._started.add(index)
                 if self.echo_texts:
                     text = self.echo_texts[prompt_index] + text
-            offset = sum(len(t) for t in choice.texts)
-            choice.texts.append(text)
+            offset = choice.streamed_chars
+            choice.streamed_chars += len(text)
             reason = FINISH_REASONS.get(output.finish_reason)
             entry: dict[str, Any] = {"index": index}
             if self.job.chat:
