@@ -506,11 +506,8 @@ class RunnerLoop:
                          pending_rows: Mapping[Sequence, int], after_step_id: int
                          ) -> runner_pb2.ExecuteRequest:
         assert self.info is not None
-        rows = {
-            request_id: SamplingRow(r.params.temperature, r.params.top_p, r.params.top_k,
-                                    r.params.min_p, r.params.logprobs)
-            for request_id, r in self._requests.items()
-        }
+        rows = {request_id: SamplingRow.from_config(r.params)
+                for request_id, r in self._requests.items()}
         request = build_execute_request(work, copies, self.info.epoch, self._session_id,
                                         self._step_id, rows, pending_rows, after_step_id)
         metrics.EXECUTES.inc()

@@ -38,6 +38,15 @@ class SamplingConfig:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's, over output tokens; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's, over output tokens; 0 = off
+    repetition_penalty: float = 1.0  # transformers', over prompt and output; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by token id
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.scheduler import OpOutcome, OpResult, StepPlan, Work
-from gateway.sequence import Sequence
+from gateway.sequence import SamplingConfig, Sequence
 from protos import block_pb2, runner_pb2
 
 _OUTCOMES = {
@@ -176,6 +176,17 @@ class SamplingRow:
     top_k: int
     min_p: float
     num_logprobs: int | None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    has_penalties: bool = False  # any of the three penalties is on (set by from_config)
+
+    @classmethod
+    def from_config(cls, config: SamplingConfig) -> SamplingRow:
+        return cls(config.temperature, config.top_p, config.top_k, config.min_p,
+                   config.logprobs, config.presence_penalty, config.frequency_penalty,
+                   config.repetition_penalty, config.logit_bias, config.has_penalties)
 
 
 def _add_sampling_columns(request: runner_pb2.ExecuteRequest, work: list[Work],
@@ -188,6 +199,29 @@ def _add_sampling_columns(request: runner_pb2.ExecuteRequest, work: list[Work],
     request.seeds.extend(item.seq.seed for item in work)
     if any(row.num_logprobs is not None for row in rows):
         request.num_logprobs.extend(row.num_logprobs or 0 for row in rows)
+    if any(row.has_penalties for row in rows):
+        _add_penalty_columns(request, work, rows)
+    if any(row.logit_bias for row in rows):
+        request.logit_bias_counts.extend(len(row.logit_bias) for row in rows)
+        for row in rows:
+            request.logit_bias_token_ids.extend(token_id for token_id, _ in row.logit_bias)
+            request.logit_bias_values.extend(bias for _, bias in row.logit_bias)
+
+
+def _add_penalty_columns(request: runner_pb2.ExecuteRequest, work: list[Work],
+                         rows: list[SamplingRow]) -> None:
+    """The penalties, prompt lengths and, for each sampling row with a penalty on, its tokens
+    before this step's (the runner adds the new ones, pending tokens included)."""
+    request.presence_penalties.extend(row.presence_penalty for row in rows)
+    request.frequency_penalties.extend(row.frequency_penalty for row in rows)
+    request.repetition_penalties.extend(row.repetition_penalty for row in rows)
+    request.prompt_lens.extend(item.seq.prompt_len for item in work)
+    for item, row in zip(work, rows, strict=True):
+        if item.do_sample and row.has_penalties:
+            request.penalty_history_lens.append(item.start)
+            request.penalty_token_ids.extend(item.seq.token_ids[:item.start])
+        else:
+            request.penalty_history_lens.append(0)
 
 
 def sampled_sequences(work: list[Work]) -> list[Sequence]:

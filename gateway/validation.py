@@ -26,6 +26,8 @@ MAX_CACHE_SALT_BYTES = 1024
 # request_id is echoed in every message of a stream: bounded so it cannot amplify traffic.
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]
 
 
 class InvalidRequest(ValueError):
@@ -194,12 +196,52 @@ def sampling_config(params: gateway_pb2.SamplingParams, prompt_len: int, limits:
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be <= {MAX_LOGPROBS}, got {logprobs}")
     _check_stop(params, limits)
+    presence, frequency, repetition = _penalties(params)
     return SamplingConfig(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, seed=params.seed if params.HasField("seed") else random_seed,
         stop=tuple(params.stop), stop_token_ids=frozenset(params.stop_token_ids),
-        ignore_eos=params.ignore_eos, n=n, logprobs=logprobs,
+        ignore_eos=params.ignore_eos, n=n, logprobs=logprobs, presence_penalty=presence,
+        frequency_penalty=frequency, repetition_penalty=repetition,
+        logit_bias=_logit_bias(params, limits),
     )
+
+
+def _penalties(params: gateway_pb2.SamplingParams) -> tuple[float, float, float]:
+    """presence_penalty and frequency_penalty in [-2, 2], repetition_penalty in (0, 2]."""
+    values = []
+    for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        value = getattr(params, name) if params.HasField(name) else default
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise InvalidRequest(f"{name} must be in [-2, 2], got {value}")
+        values.append(value)
+    repetition = params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(repetition) and 0.0 < repetition <= 2.0):
+        raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {repetition}")
+    return values[0], values[1], repetition
+
+
+def _logit_bias(params: gateway_pb2.SamplingParams,
+                limits: Limits) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) sorted by token id, the biases clamped to [-100, 100]
+    (OpenAI's semantics); refused: too many entries, ids outside the vocabulary, NaN / inf."""
+    bias = params.logit_bias
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"logit_bias has {len(bias)} entries, over the limit of {MAX_LOGIT_BIAS}")
+    entries = []
+    for token_id, value in sorted(bias.items()):
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidRequest(
+                f"logit_bias: token id {token_id} is outside [0, {limits.vocab_size})")
+        if not math.isfinite(value):
+            raise InvalidRequest(
+                f"logit_bias: the bias of token {token_id} must be a finite number in "
+                f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value}")
+        entries.append((token_id, min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)))
+    return tuple(entries)
 
 
 def _temperature(params: gateway_pb2.SamplingParams) -> float:

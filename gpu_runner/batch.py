@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gpu_runner import penalties
 from gpu_runner.attention.metadata import AttentionMetadata
 from gpu_runner.sampler import SamplingTensors
 from protos import runner_pb2
@@ -49,6 +50,16 @@ class ExecuteBatch:
     num_logprobs: np.ndarray = field(default_factory=_ints)  # empty: no logprobs
     copy_src_block_ids: np.ndarray = field(default_factory=_ints)
     copy_dst_block_ids: np.ndarray = field(default_factory=_ints)
+    # Penalties and logit bias (see runner.proto): empty columns when no sequence uses them.
+    presence_penalties: np.ndarray = field(default_factory=_floats)
+    frequency_penalties: np.ndarray = field(default_factory=_floats)
+    repetition_penalties: np.ndarray = field(default_factory=_floats)
+    prompt_lens: np.ndarray = field(default_factory=_ints)
+    penalty_history_lens: np.ndarray = field(default_factory=_ints)
+    penalty_token_ids: np.ndarray = field(default_factory=_ints)
+    logit_bias_counts: np.ndarray = field(default_factory=_ints)
+    logit_bias_token_ids: np.ndarray = field(default_factory=_ints)
+    logit_bias_values: np.ndarray = field(default_factory=_floats)
     epoch: int = 0
     client_id: str = ""
     step_id: int = 0
@@ -73,6 +84,15 @@ class ExecuteBatch:
             num_logprobs=_ints(r.num_logprobs),
             copy_src_block_ids=_ints(r.copy_src_block_ids),
             copy_dst_block_ids=_ints(r.copy_dst_block_ids),
+            presence_penalties=_floats(r.presence_penalties),
+            frequency_penalties=_floats(r.frequency_penalties),
+            repetition_penalties=_floats(r.repetition_penalties),
+            prompt_lens=_ints(r.prompt_lens),
+            penalty_history_lens=_ints(r.penalty_history_lens),
+            penalty_token_ids=_ints(r.penalty_token_ids),
+            logit_bias_counts=_ints(r.logit_bias_counts),
+            logit_bias_token_ids=_ints(r.logit_bias_token_ids),
+            logit_bias_values=_floats(r.logit_bias_values),
             epoch=int(r.epoch),
             client_id=str(r.client_id),
             step_id=int(r.step_id),
@@ -81,6 +101,17 @@ class ExecuteBatch:
     @property
     def num_seqs(self) -> int:
         return int(self.num_new_tokens.shape[0])
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty column is sent (then prompt_lens and the histories are too)."""
+        return bool(self.presence_penalties.size or self.frequency_penalties.size
+                    or self.repetition_penalties.size)
+
+    def per_seq(self, name: str, neutral: float) -> np.ndarray:
+        """An optional per-sequence column, `neutral` for every sequence when it is empty."""
+        values: np.ndarray = getattr(self, name)
+        return values if values.size else np.full(self.num_seqs, neutral, values.dtype)
 
 
 @dataclass(frozen=True)
@@ -101,6 +132,7 @@ def validate_batch(batch: ExecuteBatch, limits: BatchLimits) -> None:
     _check_values_in_range(batch, limits)
     _check_slots_match_tables(batch, limits.block_size)
     _check_sampling(batch)
+    _check_penalties(batch, limits.vocab_size)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -213,6 +245,69 @@ def _check_sampling(b: ExecuteBatch) -> None:
             bad, lambda i, n=name, v=values, r=rule: f"{n}[{i}] = {v[i]} must be {r}"))
 
 
+def _check_penalties(b: ExecuteBatch, vocab_size: int) -> None:
+    """The penalty and logit-bias columns (all optional, see runner.proto)."""
+    n = b.num_seqs
+    penalty_sent = b.has_penalties
+    for name in ("presence_penalties", "frequency_penalties", "repetition_penalties",
+                 "logit_bias_counts"):
+        size = getattr(b, name).shape[0]
+        _require(size in (0, n), f"{name} has {size} entries: send none or {n}")
+    for name in ("prompt_lens", "penalty_history_lens"):
+        size = getattr(b, name).shape[0]
+        expected = n if penalty_sent else 0
+        _require(size == expected, f"{name} has {size} entries, expected {expected} (one per "
+                                   f"sequence when a penalty column is sent, else none)")
+    history = int(b.penalty_history_lens.sum())
+    _require(b.penalty_token_ids.shape[0] == history,
+             f"penalty_token_ids has {b.penalty_token_ids.shape[0]} entries, expected "
+             f"sum(penalty_history_lens) = {history}")
+    num_bias = int(b.logit_bias_counts.sum())
+    for name in ("logit_bias_token_ids", "logit_bias_values"):
+        size = getattr(b, name).shape[0]
+        _require(size == num_bias, f"{name} has {size} entries, expected "
+                                   f"sum(logit_bias_counts) = {num_bias}")
+    checks = (
+        ("presence_penalties", b.presence_penalties, np.isfinite(b.presence_penalties),
+         "finite"),
+        ("frequency_penalties", b.frequency_penalties, np.isfinite(b.frequency_penalties),
+         "finite"),
+        ("repetition_penalties", b.repetition_penalties,
+         np.isfinite(b.repetition_penalties) & (b.repetition_penalties > 0), "finite and > 0"),
+        ("prompt_lens", b.prompt_lens, b.prompt_lens >= 0, ">= 0"),
+        ("logit_bias_counts", b.logit_bias_counts,
+         (b.logit_bias_counts >= 0) & (b.logit_bias_counts <= vocab_size),
+         f"in [0, vocab_size {vocab_size}]"),
+        ("logit_bias_values", b.logit_bias_values, np.isfinite(b.logit_bias_values), "finite"),
+    )
+    for name, values, ok, rule in checks:
+        bad = np.nonzero(~ok)[0]
+        _require(bad.size == 0, _first_bad(
+            bad, lambda i, n=name, v=values, r=rule: f"{n}[{i}] = {v[i]} must be {r}"))
+    _check_range("penalty_token_ids", b.penalty_token_ids, vocab_size)
+    _check_range("logit_bias_token_ids", b.logit_bias_token_ids, vocab_size)
+    if num_bias:
+        seq_of_entry = np.repeat(np.arange(n), b.logit_bias_counts)
+        keys = seq_of_entry * vocab_size + b.logit_bias_token_ids
+        _require(np.unique(keys).shape[0] == keys.shape[0],
+                 "logit_bias_token_ids lists a token twice for one sequence")
+    if penalty_sent:
+        lens = b.penalty_history_lens
+        whole = lens == b.start_positions
+        _require(bool(np.all(whole | (lens == 0))), _first_bad(
+            np.nonzero(~(whole | (lens == 0)))[0],
+            lambda i: f"penalty_history_lens[{i}] = {lens[i]} must be 0 or start_positions[{i}]"
+                      f" = {b.start_positions[i]}"))
+        on = b.do_sample & ((b.per_seq("presence_penalties", 0.0) != 0)
+                            | (b.per_seq("frequency_penalties", 0.0) != 0)
+                            | (b.per_seq("repetition_penalties", 1.0) != 1))
+        missing = np.nonzero(on & ~whole)[0]
+        _require(missing.size == 0, _first_bad(
+            missing, lambda i: f"sequence {i} samples with a penalty but penalty_history_lens"
+                               f"[{i}] = {lens[i]}: its history (start_positions[{i}] = "
+                               f"{b.start_positions[i]} tokens) is needed"))
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     """Tensors for one forward and its sampling, on the model's device."""
@@ -287,4 +382,40 @@ def _sampling_tensors(b: ExecuteBatch, device: torch.device) -> SamplingTensors 
         # The sampled token will sit at position start + num_new_tokens.
         positions=_tensor(ends.astype(np.int64), device),
         num_logprobs=_tensor(b.num_logprobs[rows], device) if b.num_logprobs.size else None,
+        penalties=_penalty_tensors(b, device),
+    )
+
+
+def _penalty_tensors(b: ExecuteBatch, device: torch.device) -> penalties.PenaltyTensors | None:
+    """The sampled rows' bias and penalties, their histories being the sent prefix followed
+    by the new tokens (None, at no cost, when the batch has no such column)."""
+    if not (b.has_penalties or b.logit_bias_counts.size):
+        return None
+    history_lens = b.per_seq("penalty_history_lens", 0)
+    # Each sequence's history as one stream: its sent prefix, then its new tokens.
+    lens = history_lens + b.num_new_tokens
+    starts = np.cumsum(lens) - lens
+    new_starts = np.cumsum(b.num_new_tokens) - b.num_new_tokens
+    ids = np.empty(int(lens.sum()), dtype=np.int64)
+    ids[penalties.ranges(starts, history_lens)] = b.penalty_token_ids
+    ids[penalties.ranges(starts + history_lens, b.num_new_tokens)] = (
+        b.token_ids[penalties.ranges(new_starts, b.num_new_tokens)])
+    # A sequence sent without its prefix (no penalty on) starts at start_positions[i]:
+    # shifting its prompt length keeps prompt and output apart all the same.
+    prompt_lens = b.per_seq("prompt_lens", 0) - np.where(history_lens == 0, b.start_positions, 0)
+    bias_counts = b.per_seq("logit_bias_counts", 0)
+    keep = np.nonzero(b.do_sample)[0]
+    return penalties.pack(
+        presence=b.per_seq("presence_penalties", 0.0)[keep],
+        frequency=b.per_seq("frequency_penalties", 0.0)[keep],
+        repetition=b.per_seq("repetition_penalties", 1.0)[keep],
+        history_starts=starts[keep],
+        history_lens=lens[keep],
+        history_ids=ids,
+        prompt_lens=prompt_lens[keep],
+        bias_starts=(np.cumsum(bias_counts) - bias_counts)[keep],
+        bias_counts=bias_counts[keep],
+        bias_token_ids=b.logit_bias_token_ids,
+        bias_values=b.logit_bias_values,
+        device=device,
     )

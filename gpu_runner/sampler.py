@@ -2,6 +2,12 @@
 
 Semantics (those of Hugging Face ``generate`` and vLLM):
 
+0. **Bias and penalties.** Rows with ``logit_bias`` or a presence / frequency / repetition
+   penalty first get them applied (``gpu_runner/penalties.py``: bias, then repetition over
+   prompt + output tokens, then frequency and presence over output tokens, vLLM's order);
+   everything below, greedy included, works on those processed logits. Only those rows are
+   copied (processed in place, their raw values put back before logprobs), and when no row
+   uses them (``penalties is None``) nothing runs.
 1. **Greedy.** A row with ``temperature == 0`` takes ``argmax`` of its raw logits; ties go to the
    lowest token id exactly as ``torch.argmax`` does, so greedy decoding matches transformers.
    When every row is greedy nothing else runs.
@@ -59,9 +65,10 @@ On CUDA the same code runs with ``torch.argmax`` / ``torch.topk`` in place of th
 shortcuts; each call synchronises a few times (route choice, window growth).
 
 **Logprobs** describe the model's own distribution: ``log_softmax`` of the raw logits, before
-temperature and filters (what vLLM returns by default). ``logprobs`` is the sampled token's;
-``top_token_ids`` / ``top_logprobs`` hold the ``k_max = max(num_logprobs)`` most likely tokens,
-most likely first (tied values in unspecified order); a row asking for fewer uses a prefix.
+bias, penalties, temperature and filters (what vLLM returns by default). ``logprobs`` is the
+sampled token's; ``top_token_ids`` / ``top_logprobs`` hold the ``k_max = max(num_logprobs)``
+most likely tokens, most likely first (tied values in unspecified order); a row asking for
+fewer uses a prefix.
 
 **Broken logits.** NaN logits are never picked: a NaN counts as ``-inf`` (greedy and sampled
 alike) and a warning is logged; ``+inf`` counts as the largest float (those tokens share the
@@ -77,6 +84,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from gpu_runner.penalties import PenaltyTensors, penalised
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +122,7 @@ class SamplingTensors:
     seeds: torch.Tensor  # int64 (a uint64 seed's two's-complement pattern)
     positions: torch.Tensor  # int64: position of the token being sampled
     num_logprobs: torch.Tensor | None  # int64, None = no logprobs for any row
+    penalties: PenaltyTensors | None = None  # None = no row has a bias or a penalty
 
 
 @dataclass
@@ -145,7 +155,7 @@ _ROW_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "seeds", "positions
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
     """Samples one token per row of ``logits`` [n, vocab] with that row's parameters.
-    ``logits`` is left untouched."""
+    ``logits`` is left as it was (rows with penalties are changed only while sampling)."""
     logits = logits.float()
     device = logits.device
     row_params = _RowParams(
@@ -156,7 +166,11 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         seeds=params.seeds.to(device, torch.int64),
         positions=params.positions.to(device, torch.int64),
     )
-    token_ids = _sample_tokens(logits, row_params)
+    if params.penalties is None:
+        token_ids = _sample_tokens(logits, row_params)
+    else:  # the rows with a bias or a penalty processed in place, then restored
+        with penalised(logits, params.penalties):
+            token_ids = _sample_tokens(logits, row_params)
     if params.num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     return _with_logprobs(logits, token_ids, params.num_logprobs.to(device, torch.int64))

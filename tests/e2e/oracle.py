@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,3 +51,48 @@ def _generate(path: Path | None, prompt_ids: tuple[int, ...],
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
         )
     return [int(t) for t in output[0, len(prompt_ids):]]
+
+
+def generate(prompt_ids: Sequence[int], max_new_tokens: int,
+             model: Path | None = None, **options: object) -> list[int]:
+    """transformers' generate with more options (e.g. repetition_penalty), greedy, stopping
+    after EOS like pagewire."""
+    with torch.no_grad():
+        output = _model(model).generate(
+            torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **options)
+    return [int(t) for t in output[0, len(prompt_ids):]]
+
+
+def greedy_openai_penalties(prompt_ids: Sequence[int], max_new_tokens: int,
+                            presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                            logit_bias: dict[int, float] | None = None,
+                            model: Path | None = None) -> list[int]:
+    """A reference greedy loop over transformers' logits (its KV cache carried): the logit
+    bias added, then OpenAI's penalties over the output so far, ``logit[j] -=
+    count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``, then argmax; stops
+    after EOS."""
+    hf = _model(model)
+    eos = hf.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    # transformers renames forward's KV cache argument (past_key_values -> cache).
+    cache_arg = ("cache" if "cache" in inspect.signature(type(hf).forward).parameters
+                 else "past_key_values")
+    inputs, past = list(prompt_ids), None
+    output: list[int] = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            out = hf(torch.tensor([inputs]), **{cache_arg: past}, use_cache=True)
+        past = out.cache if hasattr(out, "cache") else out.past_key_values
+        logits = out.logits[0, -1].float().clone()
+        for token_id, bias in (logit_bias or {}).items():
+            logits[token_id] += bias
+        for token_id in set(output):
+            count = output.count(token_id)
+            logits[token_id] -= count * frequency_penalty + (count > 0) * presence_penalty
+        token = int(logits.argmax())
+        inputs = [token]
+        output.append(token)
+        if token in eos_ids:
+            break
+    return output

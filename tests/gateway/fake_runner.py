@@ -53,6 +53,11 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.gate = StepGate()  # a step sent while its previous one runs waits for it
         self.proceed = threading.Event()  # cleared: Execute waits (a busy runner)
         self.proceed.set()
+        # Sampled rows whose penalty history was checked against the cache, and the first
+        # history that disagreed with it (the model ignores penalties; the gateway's packing
+        # of them is checked here).
+        self.penalty_rows = 0
+        self.penalty_error = ""
 
     def Info(self, request: runner_pb2.InfoRequest, context: grpc.ServicerContext
              ) -> runner_pb2.InfoResponse:
@@ -87,6 +92,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             if error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
             answer = self._run(request)
+            if self.penalty_error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.penalty_error)
             self.retries.store(request.client_id, request.step_id, answer)
             return answer
 
@@ -135,6 +142,7 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             slots = np.asarray(table)[positions // self.block_size] * self.block_size + (
                 positions % self.block_size)
             context = [int(t) for t in self.cache[slots]]
+            self._check_penalty_history(request, i, context)
             seed = None if request.temperatures[i] == 0 else int(request.seeds[i])
             token = next_token(context, seed)
             reply.token_ids.append(token)
@@ -145,6 +153,26 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
                 reply.top_token_ids.extend(token + j for j in range(k))
                 reply.top_logprobs.extend(-0.5 - j for j in range(k))
         return reply
+
+    def _check_penalty_history(self, request: runner_pb2.ExecuteRequest, row: int,
+                               context: list[int]) -> None:
+        """A sampled row with a penalty on must carry its whole history before this step."""
+        if not request.penalty_history_lens:
+            return
+        penalised = (request.presence_penalties[row] != 0
+                     or request.frequency_penalties[row] != 0
+                     or request.repetition_penalties[row] != 1)
+        lens = request.penalty_history_lens
+        if not penalised:
+            if lens[row]:
+                self.penalty_error = f"row {row}: history sent without a penalty"
+            return
+        start = request.start_positions[row]
+        offset = sum(lens[:row])
+        history = list(request.penalty_token_ids[offset:offset + lens[row]])
+        if lens[row] != start or history != context[:start]:
+            self.penalty_error = f"row {row}: penalty history is not the sequence's tokens"
+        self.penalty_rows += 1
 
 
 def expected_tokens(prompt: Sequence[int], max_tokens: int, seed: int | None = None

@@ -20,6 +20,7 @@ from gateway.request import output_seed
 from gateway.tokenizer import CHAT_ROLES, ChatMessage, Tokenizer
 from gateway.validation import (
     MAX_CACHE_SALT_BYTES,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRING_CHARS,
@@ -93,7 +94,14 @@ HOSTILE_PROMPT_LENGTHS = st.sampled_from([0, 1, 5, 30, MAX_LEN - 1, MAX_LEN,
 HOSTILE_ID_PATTERNS = st.lists(I32, min_size=1, max_size=8)
 HOSTILE_PARAMS = (("max_tokens", U32), ("temperature", HOSTILE_FLOATS),
                   ("top_p", HOSTILE_FLOATS), ("top_k", U32), ("min_p", HOSTILE_FLOATS),
-                  ("seed", st.integers(0, 2**64 - 1)), ("n", U32), ("logprobs", U32))
+                  ("seed", st.integers(0, 2**64 - 1)), ("n", U32), ("logprobs", U32),
+                  ("presence_penalty", HOSTILE_FLOATS), ("frequency_penalty", HOSTILE_FLOATS),
+                  ("repetition_penalty", HOSTILE_FLOATS))
+# Around the entry limit (1024), ids around the vocabulary, biases NaN / inf / huge.
+HOSTILE_LOGIT_BIAS = st.one_of(
+    st.dictionaries(I32, HOSTILE_FLOATS, max_size=6),
+    st.builds(lambda n, v: {i: v for i in range(n)},
+              st.sampled_from([MAX_LOGIT_BIAS, MAX_LOGIT_BIAS + 1]), st.just(1.0)))
 HOSTILE_STOPS = st.lists(st.text(max_size=300), max_size=20)
 HOSTILE_STOP_IDS = st.lists(I32, max_size=20)
 INPUTS = st.sampled_from(["prompt", "messages", "token_ids", "none"])
@@ -108,6 +116,8 @@ def hostile_sampling_params(draw: st.DrawFn) -> gateway_pb2.SamplingParams:
     params.stop.extend(draw(HOSTILE_STOPS))
     params.stop_token_ids.extend(draw(HOSTILE_STOP_IDS))
     params.ignore_eos = draw(st.booleans())
+    if draw(st.booleans()):
+        params.logit_bias.update(draw(HOSTILE_LOGIT_BIAS))
     return params
 
 
@@ -207,10 +217,21 @@ NS = st.one_of(st.sampled_from([1, 2, MAX_N]), st.integers(1, MAX_N))
 # all outputs but one are preempted and recomputed, ~35 ms each here: 3 outputs still
 # preempt, twice, while n = 8 would take ~0.3 s a request.
 LONG_PROMPT_MAX_N = 3
+# Penalties at and inside their ranges (presence / frequency [-2, 2], repetition (0, 2]).
+PENALTIES = st.one_of(st.sampled_from([-2.0, -0.0, 0.0, 0.5, 2.0]), st.floats(-2, 2, width=32))
+REPETITION_PENALTIES = st.one_of(st.sampled_from([F32_TINY, 1.0, 1.3, 2.0]),
+                                 st.floats(F32_TINY, 2.0, width=32))
+# Biases: within [-100, 100], and finite ones past it (clamped, not refused); up to the limit.
+LOGIT_BIAS = st.one_of(
+    st.dictionaries(TOKEN_ID, st.floats(-F32_MAX, F32_MAX, width=32), max_size=6),
+    st.builds(lambda start, v: {(start + i) % VOCAB: v for i in range(MAX_LOGIT_BIAS)},
+              st.integers(0, VOCAB - 1), st.sampled_from([-100.0, 100.0, 1e30])))
 VALID_PARAMS: tuple[tuple[str, st.SearchStrategy[Any]], ...] = (
     ("temperature", maybe(TEMPERATURES)), ("top_p", maybe(TOP_PS)), ("top_k", maybe(TOP_KS)),
     ("min_p", maybe(MIN_PS)), ("seed", maybe(SEEDS)), ("n", maybe(NS)),
-    ("logprobs", maybe(LOGPROBS)))
+    ("logprobs", maybe(LOGPROBS)), ("presence_penalty", maybe(PENALTIES)),
+    ("frequency_penalty", maybe(PENALTIES)),
+    ("repetition_penalty", maybe(REPETITION_PENALTIES)))
 # Salts: a few short ones shared between requests (cache hits, and separation between salts),
 # and long ones up to the byte limit (4 bytes a character at most).
 SALTS = st.one_of(st.sampled_from(["", "a", "b", "\x00", "\U0001F600"]),
@@ -278,6 +299,8 @@ def valid_cases(draw: st.DrawFn, tokenizer: Tokenizer) -> Case:
     if len(prompt_ids) > MAX_LEN // 2 and params.n > LONG_PROMPT_MAX_N:
         params.n = LONG_PROMPT_MAX_N
     params.ignore_eos = draw(st.booleans())
+    if draw(st.booleans()):
+        params.logit_bias.update(draw(LOGIT_BIAS))
     params.stop.extend(draw(STOPS))
     params.stop_token_ids.extend(draw(STOP_IDS))
     # Stops that fire: a token and a piece of text the first output will produce (known

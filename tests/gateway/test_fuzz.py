@@ -54,6 +54,10 @@ SERVICE = "/pagewire.gateway.v1.GenerationService/"
 # examples, which Hypothesis tries first, and those are hostile.
 MIN_SHARE_REACHING_ENGINE = 0.30
 MIN_EXAMPLES_FOR_SHARE = 50
+# Sampled rows with a penalty on that must reach the fake runner (which checks each one's
+# history against its cache), per example: valid requests draw penalties often and sample
+# many rows each (measured 2.6 rows per example over 900).
+MIN_PENALTY_ROWS_SHARE = 0.5
 
 
 def fuzz_settings(share: float) -> settings:
@@ -180,11 +184,16 @@ def test_generate_with_hostile_requests(stack: Stack, submits: SubmitCounter,
         if code == grpc.StatusCode.OK:
             check_completion(request, prompt_ids_of(request, tokenizer), collect(responses))
 
+    penalty_rows_before = stack.runner.penalty_rows
     runs = run_examples(0.45, {"case": cases(tokenizer)}, generate)
     reached = submits.count - submitted_before
+    penalty_rows = stack.runner.penalty_rows - penalty_rows_before
+    assert not stack.runner.penalty_error
     if runs >= MIN_EXAMPLES_FOR_SHARE:
         assert reached >= MIN_SHARE_REACHING_ENGINE * runs, (
             f"{reached} of {runs} requests reached the engine: {dict(codes)}")
+        assert penalty_rows >= MIN_PENALTY_ROWS_SHARE * runs, (
+            f"{penalty_rows} penalised rows reached the runner in {runs} requests")
     assert_serving_and_clean(stack)
 
 

@@ -10,7 +10,9 @@ import grpc
 import pytest
 
 from gateway.client import PagewireClient
+from gateway.sequence import SamplingConfig
 from gateway.tokenizer import Tokenizer
+from gateway.validation import InvalidRequest, Limits, sampling_config
 from protos import gateway_pb2
 from tests.gateway.fake_runner import VOCAB
 from tests.gateway.stack import Stack
@@ -51,6 +53,20 @@ INVALID: list[tuple[str, dict[str, Any]]] = [
     ("logprobs above 20", {"logprobs": 21}),
     ("empty stop string", {"stop": [""]}),
     ("stop token id outside the vocabulary", {"stop_token_ids": [VOCAB]}),
+    ("presence penalty above 2", {"presence_penalty": 2.01}),
+    ("presence penalty below -2", {"presence_penalty": -2.5}),
+    ("nan presence penalty", {"presence_penalty": math.nan}),
+    ("frequency penalty above 2", {"frequency_penalty": 3.0}),
+    ("infinite frequency penalty", {"frequency_penalty": -math.inf}),
+    ("repetition penalty 0", {"repetition_penalty": 0.0}),
+    ("negative repetition penalty", {"repetition_penalty": -1.0}),
+    ("repetition penalty above 2", {"repetition_penalty": 2.5}),
+    ("nan repetition penalty", {"repetition_penalty": math.nan}),
+    ("logit bias token = vocab", {"logit_bias": {VOCAB: 1.0}}),
+    ("negative logit bias token", {"logit_bias": {-1: 1.0}}),
+    ("nan logit bias", {"logit_bias": {5: math.nan}}),
+    ("infinite logit bias", {"logit_bias": {5: math.inf}}),
+    ("too many logit biases", {"logit_bias": {i: 1.0 for i in range(1025)}}),
 ]
 
 
@@ -93,6 +109,43 @@ def test_limits_themselves_are_accepted(stack: Stack) -> None:
                                    temperature=0, top_p=1.0, top_k=VOCAB, min_p=1.0, n=4,
                                    logprobs=20)
     assert [len(ids) for ids in result.token_ids] == [2, 2, 2, 2]
+
+
+def _config(**fields: Any) -> SamplingConfig:
+    limits = Limits(vocab_size=VOCAB, max_len=MAX_MODEL_LEN, max_n=4)
+    return sampling_config(gateway_pb2.SamplingParams(**fields), 3, limits, random_seed=1)
+
+
+def test_penalties_and_logit_bias_are_validated_clamped_and_sorted() -> None:
+    assert _config().logit_bias == () and not _config().has_penalties
+    config = _config(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=2.0,
+                     logit_bias={9: 1e30, 3: -250.0, 7: 0.5, 0: -100.0})
+    assert (config.presence_penalty, config.frequency_penalty,
+            config.repetition_penalty) == (-2.0, 2.0, 2.0)
+    assert config.logit_bias == ((0, -100.0), (3, -100.0), (7, 0.5), (9, 100.0))
+    assert config.has_penalties
+    assert len(_config(logit_bias={i: 1.0 for i in range(1024)}).logit_bias) == 1024
+    for name, message in (("presence_penalty", r"presence_penalty must be in \[-2, 2\]"),
+                          ("repetition_penalty", r"repetition_penalty must be in \(0, 2\]")):
+        with pytest.raises(InvalidRequest, match=message):
+            _config(**{name: 3.0})
+    with pytest.raises(InvalidRequest, match=r"logit_bias has 1025 entries"):
+        _config(logit_bias={i: 1.0 for i in range(1025)})
+    with pytest.raises(InvalidRequest, match=rf"logit_bias: token id {VOCAB} is outside"):
+        _config(logit_bias={VOCAB: 1.0})
+
+
+def test_penalised_request_is_served(stack: Stack) -> None:
+    result = stack.client.complete(token_ids=OK_IDS, max_tokens=3, temperature=0,
+                                   presence_penalty=2.0, frequency_penalty=-2.0,
+                                   repetition_penalty=2.0, logit_bias={5: 1000.0})
+    assert len(result.token_ids[0]) == 3
+    batch = stack.runner.batches[-1]
+    assert list(batch.logit_bias_token_ids) == [5]
+    assert list(batch.logit_bias_values) == [100.0]  # clamped
+    assert list(batch.repetition_penalties) == [2.0] and list(batch.prompt_lens) == [3]
+    assert list(batch.penalty_history_lens) == list(batch.start_positions)
+    assert stack.runner.penalty_rows > 0 and not stack.runner.penalty_error
 
 
 def test_tokenize_matches_the_tokenizer(stack: Stack, tokenizer: Tokenizer) -> None:

@@ -19,6 +19,7 @@ import math
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,13 +33,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gpu_runner.runner as runner_module
+import gpu_runner.sampler as sampler_module
 from common.server import ServerOptions, start_server
 from gpu_runner.batch import BatchLimits, ExecuteBatch, validate_batch
+from gpu_runner.penalties import PenaltyTensors, penalised
 from gpu_runner.runner import ModelRunner
 from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
 from protos import runner_pb2, runner_pb2_grpc
 from tests.gpu_runner.conftest import load_oracle, make_runner
-from tests.helpers.paged_driver import PagedDriver, Seq, batch_to_proto
+from tests.helpers.paged_driver import (
+    PagedDriver,
+    Penalties,
+    Seq,
+    batch_to_proto,
+    with_penalties,
+)
 from tests.helpers.tiny_models import make_tiny_model
 
 EXAMPLES = int(os.environ.get("PAGEWIRE_FUZZ_EXAMPLES", "2000"))
@@ -50,15 +59,24 @@ ALLOWED = {C.OK, C.INVALID_ARGUMENT, C.FAILED_PRECONDITION}
 VALIDATED_SHARE = 0.9
 INT_COLUMNS = ("num_new_tokens", "start_positions", "token_ids", "slot_mapping",
                "block_table_lens", "block_tables", "top_ks", "num_logprobs",
-               "copy_src_block_ids", "copy_dst_block_ids")
-FLOAT_COLUMNS = ("temperatures", "top_ps", "min_ps")
+               "copy_src_block_ids", "copy_dst_block_ids", "prompt_lens",
+               "penalty_history_lens", "penalty_token_ids", "logit_bias_counts",
+               "logit_bias_token_ids")
+FLOAT_COLUMNS = ("temperatures", "top_ps", "min_ps", "presence_penalties",
+                 "frequency_penalties", "repetition_penalties", "logit_bias_values")
+# Share of the broken-batch fuzz's examples that must reach the penalty checks (a base with
+# penalty columns, 1 in 4 of the bases, or a mutation that adds a column) and the penalty
+# code itself (a penalised base whose mutations left it valid); measured 0.38 and 0.04.
+PENALTY_VALIDATED_SHARE = 0.15
+PENALTY_APPLIED_SHARE = 0.005
 
 
 def fuzz_examples(share: float) -> int:
     return max(1, int(EXAMPLES * share))
 
 
-BROKEN_EXAMPLES = fuzz_examples(0.55)
+BROKEN_EXAMPLES = fuzz_examples(0.50)
+PENALTY_EXAMPLES = fuzz_examples(0.05)
 RANDOM_EXAMPLES = fuzz_examples(0.15)
 STALE_EXAMPLES = fuzz_examples(0.05)
 RAW_EXAMPLES = fuzz_examples(0.25)
@@ -75,6 +93,10 @@ class Served:
     # Calls of the runner's validate_batch (wrapped by the fixture). It runs on the forward
     # thread, but before Execute answers, so a test reads it safely once its call returned.
     validations: int = 0
+    # Of those, the batches with a penalty or logit-bias column; and the sampler's calls of
+    # penalised (batches that got past the validator and use them).
+    penalty_validations: int = 0
+    penalty_applications: int = 0
 
 
 def fuzz_settings(max_examples: int) -> settings:
@@ -89,7 +111,8 @@ _CLIENT_IDS = (f"fuzz-{n}" for n in itertools.count())
 
 def _base_requests(info: runner_pb2.InfoResponse) -> list[runner_pb2.ExecuteRequest]:
     """Well-formed batches: two prompts; a decode step after them; a forked child that
-    copies its shared last block before writing (copy-on-write)."""
+    copies its shared last block before writing (copy-on-write); the decode step again with
+    penalties and logit bias."""
     driver = PagedDriver(lambda batch: np.zeros(0), info.block_size, info.num_blocks)
     driver.epoch = info.epoch
     first, second = driver.add(list(range(5, 25))), driver.add([7, 8, 9])
@@ -97,10 +120,15 @@ def _base_requests(info: runner_pb2.InfoResponse) -> list[runner_pb2.ExecuteRequ
     first.tokens.append(40)
     second.tokens.append(41)
     decode, _ = driver.build([first, second])
+    penalised = with_penalties(decode, [first, second], PENALISED)
     child = driver.fork(second)
     child.tokens.append(42)
     fork, _ = driver.build([child])
-    return [batch_to_proto(batch) for batch in (prompts, decode, fork)]  # type: ignore[misc]
+    return [batch_to_proto(batch)  # type: ignore[misc]
+            for batch in (prompts, decode, fork, penalised)]
+
+
+PENALISED = [Penalties(0.5, 0.3, 1.2, {3: 1.0}), Penalties(0.1, bias={7: -2.0, 9: 100.0})]
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +147,19 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
     def counting_validate(batch: ExecuteBatch, limits: BatchLimits) -> None:
         served.validations += 1
+        served.penalty_validations += bool(batch.has_penalties or batch.logit_bias_counts.size)
         validate_batch(batch, limits)
+
+    def counting_penalised(logits: torch.Tensor,
+                           penalties: PenaltyTensors) -> AbstractContextManager[None]:
+        served.penalty_applications += 1
+        return penalised(logits, penalties)
 
     # ModelRunner.execute calls the validator through its module's name: counting there sees
     # exactly the batches that got past the servicer (epoch, gate, retry cache).
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runner_module, "validate_batch", counting_validate)
+        patch.setattr(sampler_module, "penalised", counting_penalised)
         yield served
     channel.close()
     service.stop(0)
@@ -244,8 +279,58 @@ def test_execute_with_broken_batches(served: Served) -> None:
             data.draw(mutation(request))
         tally.call(served, lambda: served.stub.Execute(request, timeout=60))
 
+    before = (served.penalty_validations, served.penalty_applications)
     example()
     tally.assert_ran(BROKEN_EXAMPLES, VALIDATED_SHARE)
+    checked = served.penalty_validations - before[0]
+    applied = served.penalty_applications - before[1]
+    assert checked >= PENALTY_VALIDATED_SHARE * BROKEN_EXAMPLES, (
+        f"only {checked} of {BROKEN_EXAMPLES} examples reached the penalty checks")
+    assert applied >= max(1, PENALTY_APPLIED_SHARE * BROKEN_EXAMPLES), (
+        f"only {applied} of {BROKEN_EXAMPLES} examples reached the penalty code")
+
+
+PENALTY_FLOATS = st.one_of(st.sampled_from([0.0, -0.0, 1.0, -2.0, 2.0, 1e-30, 3.4e38]),
+                           st.floats(-5, 5, width=32))
+
+
+def test_execute_with_valid_random_penalties(served: Served) -> None:
+    """Valid but extreme penalties and biases on the penalised decode: always OK, a token in
+    the vocabulary, and every example reaches the penalty code."""
+    tally = Tally()
+    base = served.bases[3]
+    vocab = served.info.vocab_size
+
+    @fuzz_settings(PENALTY_EXAMPLES)
+    @given(data=st.data())
+    def example(data: st.DataObject) -> None:
+        request = runner_pb2.ExecuteRequest()
+        request.CopyFrom(base)
+        request.client_id = next(_CLIENT_IDS)
+        request.presence_penalties[:] = data.draw(st.lists(PENALTY_FLOATS, min_size=2,
+                                                           max_size=2))
+        request.frequency_penalties[:] = data.draw(st.lists(PENALTY_FLOATS, min_size=2,
+                                                            max_size=2))
+        request.repetition_penalties[:] = data.draw(st.lists(
+            st.floats(float(np.float32(1e-3)), 4, width=32), min_size=2, max_size=2))
+        request.temperatures[:] = data.draw(st.lists(st.sampled_from([0.0, 0.7, 1.5]),
+                                                     min_size=2, max_size=2))
+        ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=6, unique=True))
+        split = data.draw(st.integers(0, len(ids)))
+        request.logit_bias_counts[:] = [split, len(ids) - split]
+        request.logit_bias_token_ids[:] = ids
+        request.logit_bias_values[:] = data.draw(st.lists(
+            st.floats(-1e4, 1e4, width=32), min_size=len(ids), max_size=len(ids)))
+        answers: list[runner_pb2.ExecuteResponse] = []
+        code = tally.call(served, lambda: answers.append(served.stub.Execute(request,
+                                                                             timeout=60)))
+        assert code == C.OK
+        assert all(0 <= t < vocab for t in answers[0].token_ids)
+
+    before = served.penalty_applications
+    example()
+    tally.assert_ran(PENALTY_EXAMPLES, validated_share=1.0)
+    assert served.penalty_applications - before == PENALTY_EXAMPLES
 
 
 def test_execute_with_random_batches(served: Served) -> None:

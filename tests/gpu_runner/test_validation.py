@@ -13,7 +13,7 @@ import torch
 from gpu_runner.batch import MAX_LOGPROBS, BatchError, ExecuteBatch
 from gpu_runner.runner import ModelRunner
 from tests.gpu_runner.conftest import make_runner, runner_driver
-from tests.helpers.paged_driver import PagedDriver
+from tests.helpers.paged_driver import PagedDriver, Penalties, with_penalties
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +150,71 @@ def test_error_message_names_the_column(
         runner.execute(_vocab(valid, runner))
     with pytest.raises(BatchError, match=r"slot_mapping\[\d+\]"):
         runner.execute(_edited("slot_mapping", lambda v: v + 1)(valid, runner))
+
+
+# ---- penalty and logit-bias columns -----------------------------------------------------------
+
+
+@pytest.fixture()
+def penalised_batch(runner: ModelRunner) -> ExecuteBatch:
+    """A valid batch whose decode has penalties (history sent), whose fork child has a logit
+    bias, and whose prompt has neither."""
+    driver = runner_driver(runner)
+    decoding = driver.add(list(range(5, 25)))
+    driver.step([decoding])
+    child = driver.fork(decoding)
+    prompt = driver.add(list(range(30, 41)))
+    seqs = [decoding, child, prompt]
+    batch, _ = driver.build(seqs)
+    batch = with_penalties(batch, seqs, [Penalties(0.5, 0.5, 1.2), Penalties(bias={3: 2.0}),
+                                         Penalties()])
+    assert batch.penalty_history_lens.tolist() == [20, 0, 0]
+    return batch
+
+
+def _short_history(batch: ExecuteBatch) -> ExecuteBatch:
+    """Sequence 0 sends 3 tokens of its 20-token history (lengths and tokens agree)."""
+    return _with(batch, penalty_history_lens=[3, 0, 0],
+                 penalty_token_ids=batch.penalty_token_ids[:3])
+
+
+BAD_PENALTY_BATCHES: dict[str, Callable[..., ExecuteBatch]] = {
+    "presence column of the wrong length": _edited("presence_penalties", lambda v: v[:2]),
+    "NaN presence": _set("presence_penalties", 0, np.nan),
+    "infinite frequency": _set("frequency_penalties", 1, np.inf),
+    "zero repetition": _set("repetition_penalties", 0, 0.0),
+    "negative repetition": _set("repetition_penalties", 2, -1.0),
+    "prompt_lens missing": _edited("prompt_lens", lambda v: v[:0]),
+    "history length neither 0 nor start": lambda b, r: _short_history(b),
+    "penalised sampler without history": _edited(
+        "penalty_history_lens", lambda v: np.zeros_like(v)),
+    "history token outside the vocabulary": lambda b, r: _set(
+        "penalty_token_ids", 4, r.config.vocab_size)(b, r),
+    "history shorter than its lengths": _edited("penalty_token_ids", lambda v: v[:-1]),
+    "bias counts of the wrong length": _edited("logit_bias_counts", lambda v: v[:1]),
+    "bias token outside the vocabulary": _set("logit_bias_token_ids", 0, -1),
+    "NaN bias": _set("logit_bias_values", 0, np.nan),
+    "bias values short": _edited("logit_bias_values", lambda v: v[:0]),
+    "one token biased twice": lambda b, r: _with(
+        b, logit_bias_counts=[0, 2, 0], logit_bias_token_ids=[3, 3],
+        logit_bias_values=[1.0, 1.0]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PENALTY_BATCHES))
+def test_rejected_penalty_batch_leaves_cache_untouched(
+        runner: ModelRunner, penalised_batch: ExecuteBatch, case: str) -> None:
+    bad = BAD_PENALTY_BATCHES[case](penalised_batch, runner)
+    before = runner.kv_cache.clone()
+    with pytest.raises(BatchError):
+        runner.execute(bad)
+    assert torch.equal(runner.kv_cache, before)
+
+
+def test_valid_penalty_batch_is_accepted(runner: ModelRunner,
+                                         penalised_batch: ExecuteBatch) -> None:
+    assert runner.execute(penalised_batch).token_ids.shape == (3,)
+    with pytest.raises(BatchError, match=r"penalty_history_lens\[0\]"):
+        runner.execute(_short_history(penalised_batch))
+    with pytest.raises(BatchError, match=r"logit_bias_values\[0\]"):
+        runner.execute(_set("logit_bias_values", 0, np.inf)(penalised_batch, runner))

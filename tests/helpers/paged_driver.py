@@ -4,6 +4,7 @@ counts and copy-on-write) and packs Execute batches, so runner tests need no blo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -206,4 +207,56 @@ def batch_to_proto(batch: ExecuteBatch) -> object:
         min_ps=batch.min_ps.tolist(),
         seeds=batch.seeds.tolist(),
         num_logprobs=batch.num_logprobs.tolist(),
+        presence_penalties=batch.presence_penalties.tolist(),
+        frequency_penalties=batch.frequency_penalties.tolist(),
+        repetition_penalties=batch.repetition_penalties.tolist(),
+        prompt_lens=batch.prompt_lens.tolist(),
+        penalty_history_lens=batch.penalty_history_lens.tolist(),
+        penalty_token_ids=batch.penalty_token_ids.tolist(),
+        logit_bias_counts=batch.logit_bias_counts.tolist(),
+        logit_bias_token_ids=batch.logit_bias_token_ids.tolist(),
+        logit_bias_values=batch.logit_bias_values.tolist(),
     )
+
+
+@dataclass
+class Penalties:
+    """One sequence's penalties and logit bias (defaults: off)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
+
+
+def with_penalties(batch: ExecuteBatch, seqs: Sequence[Seq],
+                   penalties: Sequence[Penalties]) -> ExecuteBatch:
+    """`batch` (built for `seqs`) with the penalty and bias columns filled in as the gateway
+    fills them: a history for each sampling sequence with a penalty on, 0 for the others;
+    empty columns for a feature no sequence uses."""
+    starts = batch.start_positions.tolist()
+    changes: dict[str, np.ndarray] = {}
+    if any(p.penalised for p in penalties):
+        history = [p.penalised and bool(sample) for p, sample in zip(
+            penalties, batch.do_sample.tolist(), strict=True)]
+        changes.update(
+            presence_penalties=np.array([p.presence for p in penalties], np.float32),
+            frequency_penalties=np.array([p.frequency for p in penalties], np.float32),
+            repetition_penalties=np.array([p.repetition for p in penalties], np.float32),
+            prompt_lens=np.array([s.prompt_len for s in seqs], np.int64),
+            penalty_history_lens=np.array(
+                [start if h else 0 for start, h in zip(starts, history, strict=True)], np.int64),
+            penalty_token_ids=np.array(
+                [t for s, start, h in zip(seqs, starts, history, strict=True) if h
+                 for t in s.tokens[:start]], np.int64))
+    if any(p.bias for p in penalties):
+        changes.update(
+            logit_bias_counts=np.array([len(p.bias) for p in penalties], np.int64),
+            logit_bias_token_ids=np.array([t for p in penalties for t in p.bias], np.int64),
+            logit_bias_values=np.array([v for p in penalties for v in p.bias.values()],
+                                       np.float32))
+    return dataclasses.replace(batch, **changes)
