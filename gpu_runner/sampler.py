@@ -8,8 +8,9 @@ Semantics (those of Hugging Face ``generate`` and vLLM):
    everything below, greedy included, works on those processed logits. Only those rows are
    copied (processed in place, their raw values put back before logprobs), and when no row
    uses them (``penalties is None``) nothing runs.
-1. **Greedy.** A row with ``temperature == 0`` takes ``argmax`` of its raw logits; ties go to the
-   lowest token id exactly as ``torch.argmax`` does, so greedy decoding matches transformers.
+1. **Greedy.** A row with ``temperature == 0`` takes ``argmax`` of its logits (as step 0 left
+   them); ties go to the lowest token id exactly as ``torch.argmax`` does, so greedy decoding
+   matches transformers.
    When every row is greedy nothing else runs.
 2. **Temperature.** Other rows divide their logits by their temperature. Every filter below
    works on these scaled logits, in this order:

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.oracle import greedy
+from tests.e2e.oracle import generate, greedy, greedy_openai_penalties
 from tests.faults.conftest import VOCAB_HIGH, VOCAB_LOW, Cluster
 from tests.helpers.services import GatewayProcess, free_port
 from tests.helpers.tiny_models import make_tiny_model
@@ -125,3 +125,41 @@ def test_chat_over_http_equals_grpc_chat(stack: HttpStack) -> None:
             stream=True, extra_body={"ignore_eos": True})
         if chunk.choices)
     assert streamed == over_grpc.texts[0]
+
+
+def test_penalties_and_logit_bias_over_http_equal_the_oracles(stack: HttpStack) -> None:
+    """OpenAI's penalties and logit_bias, and the repetition_penalty extra, as the openai client
+    sends them, reach the sampler: greedy outputs equal transformers' generate
+    (repetition_penalty) and a reference loop of OpenAI's formula."""
+    prompts = _prompts(3, seed=3)
+    changed = 0
+    for prompt in prompts:
+        repeated = generate(prompt, MAX_TOKENS, model=stack.model, repetition_penalty=0.5)
+        changed += repeated != greedy(prompt, MAX_TOKENS, model=stack.model)
+        over_grpc = stack.gateway.client.complete(token_ids=prompt, max_tokens=MAX_TOKENS,
+                                                  temperature=0, repetition_penalty=0.5)
+        assert over_grpc.token_ids[0] == repeated
+        answer = stack.client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"repetition_penalty": 0.5})
+        assert answer.choices[0].text == over_grpc.texts[0]
+    # Below 1 the penalty favours the prompt's tokens: the tiny model's decisive logits give way
+    # (above 1 it never bites here: this model does not repeat itself).
+    assert changed == len(prompts)
+
+    prompt = prompts[0]
+    first = greedy(prompt, 1, model=stack.model)[0]
+    bias = {first: -100.0, VOCAB_LOW: 5.0}
+    expected = greedy_openai_penalties(prompt, MAX_TOKENS, presence_penalty=1.5,
+                                       frequency_penalty=0.7, logit_bias=bias,
+                                       model=stack.model)
+    over_grpc = stack.gateway.client.complete(
+        token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0, presence_penalty=1.5,
+        frequency_penalty=0.7, logit_bias=bias)
+    assert over_grpc.token_ids[0] == expected
+    assert expected[0] != first  # the bias bites
+    answer = stack.client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        presence_penalty=1.5, frequency_penalty=0.7,
+        logit_bias={str(token): value for token, value in bias.items()})
+    assert answer.choices[0].text == over_grpc.texts[0]
