@@ -34,6 +34,7 @@ from gateway.http.errors import ApiError, from_grpc_code, invalid
 from gateway.http.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
     Fields,
     Job,
     check_model,
@@ -44,7 +45,12 @@ from gateway.http.protocol import (
 from gateway.http.responses import Answer
 from gateway.request import Request, StreamError
 from gateway.servicer import GenerationServicer
-from gateway.validation import InvalidRequest, LimitReached, check_prompt_ids
+from gateway.validation import (
+    InvalidRequest,
+    LimitReached,
+    check_prompt_ids,
+    check_prompt_length,
+)
 from protos import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -114,7 +120,9 @@ class HttpApi:
             "root": info.model, "max_model_len": self._servicer.limits.max_len}]})
 
     async def completions(self, request: HttpRequest) -> Response:
-        job = parse_completion(await _body(request, self._options), self._model)
+        job = parse_completion(await _body(request, self._options), self._model,
+                               min(COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                   self._servicer.limits.max_tokens))
         return await self._serve(request, job)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
@@ -133,6 +141,7 @@ class HttpApi:
         check_model(fields, self._model)
         try:
             token_ids = self._servicer.prompt_ids(tokenize)
+            check_prompt_length(len(token_ids), self._servicer.limits)
         except InvalidRequest as error:
             raise invalid(str(error)) from None
         return JSONResponse({"tokens": token_ids, "count": len(token_ids),
@@ -188,10 +197,17 @@ class HttpApi:
             try:
                 first = await _next(queue, watch)
                 if not job.stream:
-                    return await self._whole(answer, queue, first, watch, len(requests))
+                    try:
+                        return await self._whole(answer, queue, first, watch, len(requests))
+                    finally:
+                        release()  # a stream gives its slot back in _chunks
             finally:
                 watch.cancel()
             _raise_if_error(first)
+        except ClientDisconnect:  # nobody is left to answer
+            self._abort(requests)
+            release()
+            return Response(status_code=499)
         except BaseException:
             self._abort(requests)
             release()
@@ -271,7 +287,7 @@ class HttpApi:
 
 def _field_named(message: str) -> str | None:
     """The request field a servicer message starts with (its messages name the field first)."""
-    word = message.split(" ", 1)[0]
+    word = message.split(" ", 1)[0].rstrip(":")
     return word if word in COMPLETION_FIELDS | CHAT_FIELDS else None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from gateway.http.errors import ApiError, invalid
 from protos import gateway_pb2
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _UINT32_MAX = (1 << 32) - 1
 _U64 = (1 << 64) - 1
@@ -83,6 +85,12 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise invalid(f"the body is not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise invalid(f"the body must be a JSON object, not {_json_type(value)}")
+    if _SURROGATE_ESCAPE.search(body):  # a pair is one character; a lone half is no text
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("the body has a lone UTF-16 surrogate escape (\\ud800-\\udfff): "
+                          "not text") from None
     return value
 
 
@@ -167,7 +175,8 @@ def _json_type(value: Any) -> str:
 
 # ----- the two endpoints -------------------------------------------------------------------
 
-def parse_completion(body: dict[str, Any], model: str) -> Job:
+def parse_completion(body: dict[str, Any], model: str,
+                     default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> Job:
     """A /v1/completions body; `model` is the served name it must name (when it names one)."""
     fields = Fields(body, COMPLETION_FIELDS)
     prompts = _completion_prompts(body.get("prompt"))
@@ -176,7 +185,7 @@ def parse_completion(body: dict[str, Any], model: str) -> Job:
     if echo and logprobs is not None:
         raise invalid("echo with logprobs asks for the prompt's logprobs, which pagewire does "
                       "not compute: drop one of them", param="echo")
-    params = _sampling_params(fields, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    params = _sampling_params(fields, "max_tokens", default_max_tokens)
     if logprobs is not None:
         params.logprobs = logprobs
     requests = []
@@ -202,9 +211,10 @@ def parse_chat(body: dict[str, Any], model: str) -> Job:
     top = fields.integer("top_logprobs", 0, _UINT32_MAX)
     if top is not None and not want_logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
-    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    params = _sampling_params(fields, max_key, None)
+    params = _sampling_params(fields, "max_tokens", None)
+    max_completion_tokens = fields.integer("max_completion_tokens", 1, _UINT32_MAX)
+    if max_completion_tokens is not None:  # OpenAI's newer name wins
+        params.max_tokens = max_completion_tokens
     if want_logprobs:
         params.logprobs = top or 0
     request = _generate_request(fields, params)
@@ -352,7 +362,7 @@ def _chat_messages(value: Any) -> list[gateway_pb2.ChatMessage]:
                           f"{', '.join(sorted(extra))} (it takes role and content)",
                           param=name)
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise invalid(f"{name}.role must be one of {', '.join(CHAT_ROLES)}, got "
                           f"{str(role)[:32]!r}", param=f"{name}.role")
         messages.append(gateway_pb2.ChatMessage(
