@@ -25,6 +25,11 @@ DEFAULT_MAX_WORKERS = 256
 # still find a thread when every stream slot is taken.
 DEFAULT_MAX_STREAMS = 224
 DEFAULT_MAX_STREAMS_PER_CLIENT = 64
+# HTTP requests open at once. They hold no thread (the HTTP API runs on one asyncio loop), so
+# the bound is the engine's queue, not a thread pool: a benchmark client or a proxy sends
+# hundreds at once from one address. Per client it is off by default, since behind a proxy
+# every client has the proxy's address.
+DEFAULT_MAX_HTTP_STREAMS = 1024
 # The public API takes requests of at most 4 MiB (the internal services keep common.server's
 # 64 MiB): a prompt at --max-prompt-tokens fits many times over, and a hostile client cannot
 # make the gateway parse and hold tens of MiB per call.
@@ -54,6 +59,8 @@ class GatewayConfig:
     max_stop_string_chars: int = MAX_STOP_STRING_CHARS
     max_streams: int = DEFAULT_MAX_STREAMS
     max_streams_per_client: int = DEFAULT_MAX_STREAMS_PER_CLIENT
+    max_http_streams: int = DEFAULT_MAX_HTTP_STREAMS
+    max_http_streams_per_client: int = DEFAULT_MAX_HTTP_STREAMS
     lease_ttl_ms: int = 10_000
     pool_id: str = ""  # empty: the runner's address (only with one --runner)
     # Names this gateway in the block service (sessions, routes): unique per process.
@@ -84,7 +91,10 @@ class GatewayConfig:
                             ("--max-tokens-limit", self.max_tokens_limit),
                             ("--max-stop-string-chars", self.max_stop_string_chars),
                             ("--max-streams", self.max_streams),
-                            ("--max-streams-per-client", self.max_streams_per_client)):
+                            ("--max-streams-per-client", self.max_streams_per_client),
+                            ("--max-http-streams", self.max_http_streams),
+                            ("--max-http-streams-per-client",
+                             self.max_http_streams_per_client)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1")
         if self.max_stop_strings < 0:
@@ -143,6 +153,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                         default=defaults.max_streams_per_client,
                         help="Generate streams open at once per client (bearer token, else "
                              "peer address)")
+    parser.add_argument("--max-http-streams", type=int, default=defaults.max_http_streams,
+                        help="HTTP API requests open at once (they hold no thread; the waiting "
+                             "queue, --max-waiting, bounds them too)")
+    parser.add_argument("--max-http-streams-per-client", type=int,
+                        default=defaults.max_http_streams_per_client,
+                        help="HTTP API requests open at once per client (bearer token, else "
+                             "address; default: --max-http-streams' default, i.e. off)")
     parser.add_argument("--lease-ttl-ms", type=int, default=defaults.lease_ttl_ms,
                         help="block-service session lease asked for")
     parser.add_argument("--pool-id", default="",
@@ -181,6 +198,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_stop_string_chars=args.max_stop_string_chars,
         max_streams=args.max_streams,
         max_streams_per_client=args.max_streams_per_client,
+        max_http_streams=args.max_http_streams,
+        max_http_streams_per_client=args.max_http_streams_per_client,
         lease_ttl_ms=args.lease_ttl_ms,
         pool_id=args.pool_id,
         client_name=f"gateway@{args.host}:{args.port}/{secrets.token_hex(4)}",

@@ -58,9 +58,13 @@ class StreamLimiter:
     counts live only while the streams do, so a client's count never outlives its calls.
     """
 
-    def __init__(self, max_streams: int, max_streams_per_client: int) -> None:
+    def __init__(self, max_streams: int, max_streams_per_client: int,
+                 flags: tuple[str, str] = ("--max-streams", "--max-streams-per-client")
+                 ) -> None:
+        """`flags`: the flags that set the two limits, named in refusals."""
         self.max_streams = max_streams
         self.max_streams_per_client = max_streams_per_client
+        self._flags = flags
         self._lock = threading.Lock()
         self._open: dict[str, int] = {}
         self._total = 0
@@ -74,12 +78,12 @@ class StreamLimiter:
             if self._total >= self.max_streams:
                 raise LimitReached(
                     f"the gateway has {self._total} open streams, its limit "
-                    f"(--max-streams {self.max_streams}): retry later")
+                    f"({self._flags[0]} {self.max_streams}): retry later")
             held = self._open.get(client, 0)
             if held >= self.max_streams_per_client:
                 raise LimitReached(
                     f"this client has {held} open streams, the per-client limit "
-                    f"(--max-streams-per-client {self.max_streams_per_client}): retry later")
+                    f"({self._flags[1]} {self.max_streams_per_client}): retry later")
             self._open[client] = held + 1
             self._total += 1
         released = threading.Event()

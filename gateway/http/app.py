@@ -48,6 +48,7 @@ from gateway.servicer import GenerationServicer
 from gateway.validation import (
     InvalidRequest,
     LimitReached,
+    StreamLimiter,
     check_prompt_ids,
     check_prompt_length,
 )
@@ -88,6 +89,10 @@ class HttpApi:
         self._options = options
         self._model = served_model_name or servicer.model_info().model
         self._expected = [f"Bearer {t}".encode() for t in options.auth_tokens]
+        config = servicer.engine.config
+        # Not the gRPC servicer's limiter: that one guards its thread pool, these hold no thread.
+        self.streams = StreamLimiter(config.max_http_streams, config.max_http_streams_per_client,
+                                     ("--max-http-streams", "--max-http-streams-per-client"))
         self._token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
@@ -222,7 +227,7 @@ class HttpApi:
         else:
             client = http.client.host if http.client else "unknown"
         try:
-            return self._servicer.streams.acquire(client)
+            return self.streams.acquire(client)
         except LimitReached as error:
             raise ApiError(429, str(error)) from None
 
@@ -388,6 +393,7 @@ class HttpServer:
         config = uvicorn.Config(api.app, host=options.host, port=port, log_level="warning",
                                 access_log=False, timeout_graceful_shutdown=int(
                                     max(1, options.grace_s)), **tls)
+        self.api = api
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="http", daemon=True)
 

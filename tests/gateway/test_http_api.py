@@ -619,9 +619,9 @@ def test_a_disconnected_stream_frees_its_blocks(stack: Stack, http: httpx.Client
     assert stats.used_blocks == 0, stats
     # It was aborted, not run to its end (1000 tokens take 1000 steps).
     assert len(stack.runner.batches) - batches_before < 900
-    servicer = stack.gateway.servicer
-    assert servicer is not None
-    wait_for(lambda: servicer.streams.open_streams == 0, 5)
+    assert stack.gateway.http is not None
+    streams = stack.gateway.http.api.streams
+    wait_for(lambda: streams.open_streams == 0, 5)
     after = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=2,
                                                    temperature=0))
     assert after.status_code == 200
@@ -643,9 +643,9 @@ def test_an_abandoned_whole_request_frees_its_blocks(stack: Stack, http: httpx.C
     stats = stack.wait_idle(5)
     assert stats.used_blocks == 0, stats
     assert len(stack.runner.batches) - batches_before < 900
-    servicer = stack.gateway.servicer
-    assert servicer is not None
-    wait_for(lambda: servicer.streams.open_streams == 0, 5)
+    assert stack.gateway.http is not None
+    streams = stack.gateway.http.api.streams
+    wait_for(lambda: streams.open_streams == 0, 5)
     after = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=2,
                                                    temperature=0))
     assert after.status_code == 200
@@ -654,13 +654,13 @@ def test_an_abandoned_whole_request_frees_its_blocks(stack: Stack, http: httpx.C
 def test_whole_answers_give_their_stream_slot_back(stack: Stack, http: httpx.Client) -> None:
     """More whole (non-streamed) answers than --max-streams-per-client, one after another:
     each gives its slot back (they once kept it, and the gateway refused everyone after)."""
-    servicer = stack.gateway.servicer
-    assert servicer is not None
+    assert stack.gateway.http is not None
+    streams = stack.gateway.http.api.streams
     for i in range(stack.gateway.config.max_streams_per_client + 2):
         response = http.post("/v1/completions", json=dict(model=MODEL, prompt=[7, 8, i + 20],
                                                           max_tokens=1))
         assert response.status_code == 200, response.text
-    assert servicer.streams.open_streams == 0
+    assert streams.open_streams == 0
 
 
 # ----- a gateway with tokens and small limits ------------------------------------------------
@@ -670,15 +670,16 @@ MAX_MESSAGE_BYTES = 16 * 1024
 
 
 class GuardedGateway:
-    """A gateway with bearer tokens, a small body limit, two streams per client, three in all
-    and one waiting request, on a fake runner that can be held."""
+    """A gateway with bearer tokens, a small body limit, two HTTP streams per client, three in
+    all and one waiting request, on a fake runner that can be held."""
 
     def __init__(self, tokenizer: Tokenizer, block_service: ServiceProcess) -> None:
         self.runner = FakeRunner(num_blocks=64, block_size=BLOCK_SIZE, epoch=43)
         self.runner_server = start_fake_runner(self.runner)
         config = GatewayConfig(block_service=block_service.address,
                                runners=[f"127.0.0.1:{self.runner_server.port}"],
-                               http_port=free_port(), max_streams=3, max_streams_per_client=2,
+                               http_port=free_port(), max_http_streams=3,
+                               max_http_streams_per_client=2,
                                max_waiting=1)
         options = ServerOptions(port=0, max_workers=16, max_message_bytes=MAX_MESSAGE_BYTES,
                                 auth_tokens=TOKENS)
@@ -746,8 +747,8 @@ def test_stream_and_queue_limits_are_rate_limit_errors(guarded: GuardedGateway) 
     """The runner held: A runs, B waits (the queue is full), C is over `secret`'s two streams,
     D (another token) is refused by the full queue; all pass once the runner goes on."""
     engine = guarded.gateway.engine
-    servicer = guarded.gateway.servicer
-    assert servicer is not None
+    assert guarded.gateway.http is not None
+    streams = guarded.gateway.http.api.streams
 
     def queued() -> int:
         return sum(loop.num_queued for loop in engine.loops)
@@ -764,16 +765,16 @@ def test_stream_and_queue_limits_are_rate_limit_errors(guarded: GuardedGateway) 
     try:
         threads.append(threading.Thread(target=send, args=("A", "secret")))
         threads[-1].start()
-        wait_for(lambda: servicer.streams.open_streams == 1 and queued() == 0)
+        wait_for(lambda: streams.open_streams == 1 and queued() == 0)
         threads.append(threading.Thread(target=send, args=("B", "secret")))
         threads[-1].start()
-        wait_for(lambda: servicer.streams.open_streams == 2 and queued() == 1)
+        wait_for(lambda: streams.open_streams == 2 and queued() == 1)
         with openai.OpenAI(base_url=guarded.url + "/v1", api_key="secret",
                            max_retries=0) as c, pytest.raises(openai.RateLimitError) as error:
             c.completions.create(model=MODEL, prompt="C", max_tokens=1)
         body = error.value.body
         assert isinstance(body, dict) and body["type"] == "rate_limit_error"
-        assert "--max-streams-per-client" in body["message"]
+        assert "--max-http-streams-per-client" in body["message"]
         with openai.OpenAI(base_url=guarded.url + "/v1", api_key="other",
                            max_retries=0) as c, pytest.raises(openai.RateLimitError) as error:
             c.completions.create(model=MODEL, prompt="D", max_tokens=1)
@@ -783,7 +784,7 @@ def test_stream_and_queue_limits_are_rate_limit_errors(guarded: GuardedGateway) 
         for thread in threads:
             thread.join(60)
     assert results == {"A": 200, "B": 200}
-    wait_for(lambda: servicer.streams.open_streams == 0, 5)
+    wait_for(lambda: streams.open_streams == 0, 5)
 
 
 # ----- a backend down ------------------------------------------------------------------------

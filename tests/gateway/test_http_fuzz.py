@@ -315,12 +315,12 @@ def send(http: httpx.Client, example: Body) -> httpx.Response:
 def assert_serving_and_clean(stack: Stack, http: httpx.Client) -> None:
     stats = stack.wait_idle()
     assert (stats.used_blocks, stats.num_sequences) == (0, 0), stats
-    servicer = stack.gateway.servicer
-    assert servicer is not None
+    assert stack.gateway.http is not None
+    streams = stack.gateway.http.api.streams
     deadline = time.monotonic() + 5
-    while servicer.streams.open_streams and time.monotonic() < deadline:
+    while streams.open_streams and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert servicer.streams.open_streams == 0, "a stream slot leaked"
+    assert streams.open_streams == 0, "a stream slot leaked"
     assert http.get("/health").json() == {"status": "SERVING"}
     prompt = list(range(300, 310))
     response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS,
