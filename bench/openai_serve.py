@@ -13,8 +13,9 @@ wait_until_quiet) and run `vllm bench serve --backend openai --endpoint /v1/comp
 --temperature 0` on it (the peer environment's `vllm` command, through bench/peers/vllm_cli.py:
 see there why). The seeds are the same for both engines, so they get the same prompts and
 arrival times; each rate has its own (--seed + the rate's index), since prompts seen at the
-rate before would be served from either engine's prefix cache; the client tokenizes with the very folder both servers load
-(common.model_store's default model), offline (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1).
+rate before would be served from either engine's prefix cache; the client tokenizes with the
+very folder both servers load (common.model_store's default model), offline
+(HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1).
 The client first asks the server's /tokenize to align its prompts; both servers refuse it
 (it sends the folder, not the served name, as the model), so both get the prompts as
 generated. Each rate records what the client did, and the targets are only evaluated when
@@ -679,7 +680,8 @@ def markdown(data: dict[str, Any]) -> str:
              f"`{data['command']}` ({data['git']}, {data['cpus']} CPUs, load average "
              f"{data['load_average_before']:.2f} before). Random dataset: "
              f"{data['input_len']} prompt tokens, {data['output_len']} output tokens "
-             f"(ignore_eos, temperature 0), {data['num_prompts']} prompts, seed {data['seed']} + the rate's index, "
+             f"(ignore_eos, temperature 0), {data['num_prompts']} prompts, seed "
+             f"{data['seed']} + the rate's index, "
              f"`/v1/completions` streamed (the client's openai backend); each engine a fresh "
              f"launch, warmed up with {data['warm_up_prompts']} prompts (seed {WARM_UP_SEED}), "
              "a settle before every rate.", ""]
