@@ -52,6 +52,8 @@ bench: setup
 	$(PY) bench/cpu_attention.py
 	$(PY) bench/serve_bench.py
 	$(PY) bench/control_plane.py
+	if test -x $(PEERS_VENV)/bin/python; then $(PY) bench/openai_serve.py; \
+	else echo "openai_serve skipped: run make bench-peers"; fi
 
 # The fuzz tests of every service with ten times the examples `make test` runs.
 fuzz: setup
