@@ -12,7 +12,6 @@ PAGEWIRE_FUZZ_EXAMPLES raises the example counts (`make fuzz`).
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -25,10 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.client import build_request, collect
-from gateway.engine import Engine
-from gateway.request import Request
 from gateway.tokenizer import Tokenizer
 from protos import gateway_pb2
+from tests.gateway.conftest import SubmitCounter
 from tests.gateway.fake_runner import expected_tokens
 from tests.gateway.fuzz_requests import (
     LIMITS,
@@ -65,37 +63,11 @@ def fuzz_settings(share: float) -> settings:
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-class SubmitCounter:
-    """Counts the requests the engine accepted: they passed validation and were queued for
-    the scheduler (wraps the engine's submit, which the servicer calls for nothing else).
-    A request submitted while a backend is down also returns normally, failed UNAVAILABLE,
-    but that status fails the fuzz on its own."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.count = 0
-        self._lock = threading.Lock()  # submit runs on the server's worker threads
-        self._submit = engine.submit
-
-        def submit(request: Request) -> None:
-            self._submit(request)  # raises when the queue is full: not counted
-            with self._lock:
-                self.count += 1
-        self.submit = submit
-
-
 @pytest.fixture(scope="module")
 def stack(tokenizer: Tokenizer, block_service: ServiceProcess) -> Iterator[Stack]:
     s = Stack(tokenizer, block_service, num_blocks=NUM_BLOCKS, epoch=31, **LIMITS)
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def submits(stack: Stack) -> Iterator[SubmitCounter]:
-    counter = SubmitCounter(stack.gateway.engine)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stack.gateway.engine, "submit", counter.submit)
-        yield counter
 
 
 def run_examples(share: float, strategies: dict[str, st.SearchStrategy[Any]],

@@ -591,6 +591,23 @@ def test_sse_framing(http: httpx.Client, path: str) -> None:
 
 # ----- clients that go away ------------------------------------------------------------------
 
+def assert_aborted_and_serving(stack: Stack, http: httpx.Client, prompt: list[int],
+                               batches_before: int) -> None:
+    """The request of a client that went away freed its blocks and its slot, was aborted (not
+    run to its 1000 tokens, 1000 steps), and the gateway serves the next one right."""
+    stats = stack.wait_idle(5)
+    assert stats.used_blocks == 0, stats
+    assert len(stack.runner.batches) - batches_before < 900
+    assert stack.gateway.http is not None
+    streams = stack.gateway.http.api.streams
+    wait_for(lambda: streams.open_streams == 0, 5)
+    after = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=2,
+                                                   temperature=0))
+    assert after.status_code == 200
+    assert after.json()["choices"][0]["text"] == Oracle(stack.gateway.tokenizer).text(
+        expected_tokens(prompt, 2))
+
+
 def test_a_disconnected_stream_frees_its_blocks(stack: Stack, http: httpx.Client) -> None:
     prompt = prompt_of(60, 9)
     batches_before = len(stack.runner.batches)
@@ -615,18 +632,7 @@ def test_a_disconnected_stream_frees_its_blocks(stack: Stack, http: httpx.Client
         # Leaving the blocks closes the response and the connection.
     finally:
         stack.runner.proceed.set()
-    stats = stack.wait_idle(5)
-    assert stats.used_blocks == 0, stats
-    # It was aborted, not run to its end (1000 tokens take 1000 steps).
-    assert len(stack.runner.batches) - batches_before < 900
-    assert stack.gateway.http is not None
-    streams = stack.gateway.http.api.streams
-    wait_for(lambda: streams.open_streams == 0, 5)
-    after = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=2,
-                                                   temperature=0))
-    assert after.status_code == 200
-    assert after.json()["choices"][0]["text"] == Oracle(stack.gateway.tokenizer).text(
-        expected_tokens(prompt, 2))
+    assert_aborted_and_serving(stack, http, prompt, batches_before)
 
 
 def test_an_abandoned_whole_request_frees_its_blocks(stack: Stack, http: httpx.Client) -> None:
@@ -640,15 +646,7 @@ def test_an_abandoned_whole_request_frees_its_blocks(stack: Stack, http: httpx.C
                                                   temperature=0))
     finally:
         stack.runner.proceed.set()
-    stats = stack.wait_idle(5)
-    assert stats.used_blocks == 0, stats
-    assert len(stack.runner.batches) - batches_before < 900
-    assert stack.gateway.http is not None
-    streams = stack.gateway.http.api.streams
-    wait_for(lambda: streams.open_streams == 0, 5)
-    after = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=2,
-                                                   temperature=0))
-    assert after.status_code == 200
+    assert_aborted_and_serving(stack, http, prompt, batches_before)
 
 
 def test_whole_answers_give_their_stream_slot_back(stack: Stack, http: httpx.Client) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -29,9 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.engine import Engine
-from gateway.request import Request
 from gateway.tokenizer import Tokenizer
+from tests.gateway.conftest import SubmitCounter
 from tests.gateway.fake_runner import VOCAB, expected_tokens
 from tests.gateway.stack import BLOCK_SIZE, Stack
 from tests.helpers.services import ServiceProcess, free_port
@@ -221,36 +219,12 @@ def bodies(draw: st.DrawFn, paths: tuple[str, ...]) -> Body:
 
 # ----- running them ------------------------------------------------------------------------
 
-class SubmitCounter:
-    """Counts the requests the engine accepted (wraps Engine.submit, which the HTTP API calls
-    once per prompt of a body that passed every check)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.count = 0
-        self._lock = threading.Lock()
-        self._submit = engine.submit
-
-        def submit(request: Request) -> None:
-            self._submit(request)
-            with self._lock:
-                self.count += 1
-        self.submit = submit
-
-
 @pytest.fixture(scope="module")
 def stack(tokenizer: Tokenizer, block_service: ServiceProcess) -> Iterator[Stack]:
     s = Stack(tokenizer, block_service, num_blocks=NUM_BLOCKS, epoch=47, http_port=free_port(),
               **LIMITS)
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def submits(stack: Stack) -> Iterator[SubmitCounter]:
-    counter = SubmitCounter(stack.gateway.engine)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stack.gateway.engine, "submit", counter.submit)
-        yield counter
 
 
 @pytest.fixture(scope="module")
