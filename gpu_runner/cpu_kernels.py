@@ -17,12 +17,23 @@ CPU's features so that a cache folder shared with another kind of CPU gets its o
 one of every file in csrc/ (torch rebuilds when a listed source changes, not a header).
 When anything is missing (a compiler, ninja, a failing build), `available()` is False, one
 warning says why, and callers keep the torch path.
+
+A container image builds the kernel once, at image build time, into its TORCH_EXTENSIONS_DIR,
+and runs it from there with a read-only file system (see the Dockerfile):
+- $PAGEWIRE_CPU_KERNEL_MARCH (default `native`) is the -march target. An image built on one
+  machine and run on others sets a portable one (e.g. `x86-64-v3`); the extension's name then
+  carries the target instead of the build machine's CPU fingerprint, so every node finds it.
+- A finished build in a folder this process cannot write is imported directly:
+  cpp_extension.load would first create a lock file there, and fail.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
+import os
+import re
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -34,7 +45,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp",
                                        "panel_linear.cpp")]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_MARCH_ENV = "PAGEWIRE_CPU_KERNEL_MARCH"
 _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
@@ -60,16 +71,49 @@ def _sources_fingerprint() -> str:
     return digest.hexdigest()[:8]
 
 
+def _march() -> str:
+    """The -march target: $PAGEWIRE_CPU_KERNEL_MARCH, else the CPU that builds it."""
+    return os.environ.get(_MARCH_ENV, "").strip() or "native"
+
+
+def _extension_name() -> str:
+    """Keyed by the code's target (this CPU for `native`) and by the sources."""
+    march = _march()
+    target = _cpu_fingerprint() if march == "native" else re.sub(r"\W", "_", march)
+    return f"pagewire_cpu_kernels_{target}_{_sources_fingerprint()}"
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension  # imported here: it is slow and pulls setuptools
 
+    name = _extension_name()
+    # The folder torch builds `name` in (created when missing): $TORCH_EXTENSIONS_DIR/name,
+    # or a per-Python, per-accelerator folder under ~/.cache/torch_extensions.
+    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    prebuilt = _import_prebuilt(name, folder)
+    if prebuilt is not None:
+        return prebuilt
     return cpp_extension.load(
-        name=f"pagewire_cpu_kernels_{_cpu_fingerprint()}_{_sources_fingerprint()}",
+        name=name,
         sources=[str(source) for source in _SOURCES],
-        extra_cflags=_CFLAGS,
+        extra_cflags=["-O3", f"-march={_march()}", "-fopenmp"],
         extra_ldflags=_LDFLAGS,
         verbose=False,
     )
+
+
+def _import_prebuilt(name: str, folder: Path) -> ModuleType | None:
+    """The finished extension in a folder this process cannot write (a container image's
+    read-only TORCH_EXTENSIONS_DIR), imported directly; None where load() can run."""
+    library = folder / f"{name}.so"
+    if os.access(folder, os.W_OK) or not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _load() -> ModuleType | None:
