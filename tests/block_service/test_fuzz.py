@@ -422,7 +422,9 @@ def test_hostile_messages_get_documented_statuses(server: Server) -> None:
     # checked from 1000 on.
     if tally.runs >= 1000:
         assert tally.share(tally.answered_ok) >= 0.05, report
-    assert_subscriptions_fuzzed(tally, min_reached=0.9, min_ok=0.3)
+    # About 40 of the examples subscribe and about a third of those are valid: a floor of 0.3
+    # failed one run in a few (27 %, 11 of 41); 0.1 still proves they get past the checks.
+    assert_subscriptions_fuzzed(tally, min_reached=0.9, min_ok=0.1)
     assert_still_serving(server)
 
 
