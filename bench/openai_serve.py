@@ -56,8 +56,9 @@ Equal treatment: both servers on every core this process may run on (pagewire's 
 uses torch's default, one thread per core; vLLM's worker is bound to the same cores with
 VLLM_CPU_OMP_THREADS_BIND, as bench/peers/vllm_offline.py does), float32, max model length
 2048, 2 GiB of KV cache each, prefix caching on (both defaults; the random prompts share
-nothing). Scheduler budgets stay each engine's own (pagewire 2048 batched tokens as in
-serve_bench, vLLM its default), recorded in the results. The client (vLLM's, in
+nothing). The same scheduler budgets: 2048 batched tokens and 256 sequences (serve_bench's;
+vllm serve's CPU defaults are 2048 and 128, so runs before 2026-12-02 06:40, which left vLLM at
+its defaults, differ only in a cap no rate reached). The client (vLLM's, in
 .venv-vllm) shares the cores with the server under test, the same for both.
 
 Results: bench/results/openai_serve.{json,md}, rewritten after every rate (a crash keeps what
@@ -262,11 +263,14 @@ def vllm_server(model_dir: Path, log_dir: Path) -> Server:
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)}
     command = [str(VLLM_PYTHON), str(VLLM_CLI), "serve", str(model_dir), "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+               # pagewire's scheduler budgets (vllm serve's CPU defaults are 2048 and 128).
+               "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+               "--max-num-seqs", str(MAX_NUM_SEQS),
                "--served-model-name", SERVED_MODEL_NAME, "--seed", "0"]
     return Server("vllm", command, env, port, log_dir / "vllm.log",
                   settings={key: value for key, value in env.items() if key.startswith("VLLM")}
                   | {"dtype": "float32", "max_model_len": MAX_MODEL_LEN,
-                     "scheduler": "vLLM's defaults (max_num_batched_tokens, max_num_seqs)"})
+                     "max_num_batched_tokens": MAX_BATCHED_TOKENS, "max_num_seqs": MAX_NUM_SEQS})
 
 
 # ---------------------------------------------------------------- the client and its results

@@ -116,10 +116,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     # ----- building a request --------------------------------------------------------------
 
     def build_request(self, request: gateway_pb2.GenerateRequest,
-                      stream: MessageSink | None = None) -> Request:
+                      stream: MessageSink | None = None,
+                      default_max_tokens: int | None = None) -> Request:
         """A validated engine request (InvalidRequest when it cannot be served), its messages
-        going to `stream` (default: a queue read by `Request.messages`). The HTTP API builds
-        its requests here too, so both APIs check and tokenize alike."""
+        going to `stream` (default: a queue read by `Request.messages`); an unset max_tokens
+        is what fits, capped at `default_max_tokens`. The HTTP API builds its requests here
+        too, so both APIs check and tokenize alike."""
         check_identifiers(request.request_id, request.cache_salt)
         if request.WhichOneof("input") == "prompt_token_ids":
             check_prompt_length(len(request.prompt_token_ids.token_ids), self.limits)
@@ -128,7 +130,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             prompt_ids = self.prompt_ids(request)
         check_prompt_ids(prompt_ids, self.limits)
         params = sampling_config(request.sampling_params, len(prompt_ids), self.limits,
-                                 self.engine.new_seed())
+                                 self.engine.new_seed(), default_max_tokens)
         key = uuid.uuid4().hex
         return Request(
             request_id=key,

@@ -167,10 +167,11 @@ def check_prompt_ids(token_ids: Sequence[int], limits: Limits) -> None:
 
 
 def sampling_config(params: gateway_pb2.SamplingParams, prompt_len: int, limits: Limits,
-                    random_seed: int) -> SamplingConfig:
-    """Validated parameters with defaults filled in (`random_seed` when none is given)."""
+                    random_seed: int, default_max_tokens: int | None = None) -> SamplingConfig:
+    """Validated parameters with defaults filled in (`random_seed` when none is given;
+    max_tokens: what fits, capped at `default_max_tokens` when given)."""
     room = limits.max_len - prompt_len
-    max_tokens = min(room, limits.max_tokens)
+    max_tokens = min(room, limits.max_tokens, default_max_tokens or room)
     if params.HasField("max_tokens"):
         if params.max_tokens < 1:
             raise InvalidRequest("max_tokens must be >= 1")

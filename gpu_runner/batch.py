@@ -247,6 +247,11 @@ def _check_sampling(b: ExecuteBatch) -> None:
 
 def _check_penalties(b: ExecuteBatch, vocab_size: int) -> None:
     """The penalty and logit-bias columns (all optional, see runner.proto)."""
+    columns = ("presence_penalties", "frequency_penalties", "repetition_penalties",
+               "logit_bias_counts", "prompt_lens", "penalty_history_lens", "penalty_token_ids",
+               "logit_bias_token_ids", "logit_bias_values")
+    if not any(getattr(b, name).shape[0] for name in columns):
+        return  # the common batch: none sent, nothing to check
     n = b.num_seqs
     penalty_sent = b.has_penalties
     for name in ("presence_penalties", "frequency_penalties", "repetition_penalties",
@@ -274,7 +279,12 @@ def _check_penalties(b: ExecuteBatch, vocab_size: int) -> None:
          "finite"),
         ("repetition_penalties", b.repetition_penalties,
          np.isfinite(b.repetition_penalties) & (b.repetition_penalties > 0), "finite and > 0"),
-        ("prompt_lens", b.prompt_lens, b.prompt_lens >= 0, ">= 0"),
+        # A sampling row's prompt fits in what it has computed (a prompt chunk's need not).
+        ("prompt_lens", b.prompt_lens,
+         (b.prompt_lens >= 0) & (~b.do_sample
+                                 | (b.prompt_lens <= b.start_positions + b.num_new_tokens))
+         if penalty_sent else b.prompt_lens >= 0,
+         ">= 0, and for a sampling sequence <= start_positions + num_new_tokens"),
         ("logit_bias_counts", b.logit_bias_counts,
          (b.logit_bias_counts >= 0) & (b.logit_bias_counts <= vocab_size),
          f"in [0, vocab_size {vocab_size}]"),

@@ -2,8 +2,10 @@
 
 It runs in the gateway process, on its own thread and asyncio loop, and submits to the same
 engine as the gRPC servicer (no extra hop). Requests are built and checked by the servicer's
-`build_request`; the engine thread hands each message to the loop through `_Bridge`, and the
-stream-slot limits are shared with gRPC. docs/api.md describes the endpoints.
+`build_request` (on a worker thread: tokenizing must not stall the loop's other streams); the
+engine thread hands each message to the loop through `_Bridge`. HTTP requests have their own
+limits (--max-http-streams), apart from gRPC's thread-pool ones. docs/api.md describes the
+endpoints.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import logging
 import ssl
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -34,7 +36,6 @@ from gateway.http.errors import ApiError, from_grpc_code, invalid
 from gateway.http.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
     Fields,
     Job,
     check_model,
@@ -104,7 +105,8 @@ class HttpApi:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
         ], exception_handlers={ApiError: _error_response, 404: _not_found,
-                               405: _not_allowed, Exception: _internal_error})
+                               405: _not_allowed, ClientDisconnect: _gone,
+                               Exception: _internal_error})
         self.app.add_middleware(_AuthMiddleware, api=self)
 
     def _decode_one(self, token_id: int) -> str:
@@ -125,9 +127,7 @@ class HttpApi:
             "root": info.model, "max_model_len": self._servicer.limits.max_len}]})
 
     async def completions(self, request: HttpRequest) -> Response:
-        job = parse_completion(await _body(request, self._options), self._model,
-                               min(COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                   self._servicer.limits.max_tokens))
+        job = parse_completion(await _body(request, self._options), self._model)
         return await self._serve(request, job)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
@@ -145,7 +145,7 @@ class HttpApi:
             tokenize.prompt = fields.string("prompt")
         check_model(fields, self._model)
         try:
-            token_ids = self._servicer.prompt_ids(tokenize)
+            token_ids = await asyncio.to_thread(self._servicer.prompt_ids, tokenize)
             check_prompt_length(len(token_ids), self._servicer.limits)
         except InvalidRequest as error:
             raise invalid(str(error)) from None
@@ -165,7 +165,8 @@ class HttpApi:
             check_prompt_ids(token_ids, self._servicer.limits)
         except InvalidRequest as error:
             raise invalid(str(error), param="tokens") from None
-        return JSONResponse({"prompt": self._tokenizer.decode(token_ids)})
+        return JSONResponse({"prompt": await asyncio.to_thread(self._tokenizer.decode,
+                                                                token_ids)})
 
     async def health(self, request: HttpRequest) -> Response:
         problem = self._engine.problem()
@@ -184,19 +185,26 @@ class HttpApi:
 
     # ----- generation --------------------------------------------------------------------
 
-    async def _serve(self, http: HttpRequest, job: Job) -> Response:
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+    def _build(self, job: Job, queue: asyncio.Queue[_Item], loop: asyncio.AbstractEventLoop
+               ) -> tuple[list[Request], list[str]]:
+        """The job's engine requests and echo texts (tokenizing: run off the loop)."""
         try:
-            requests = [self._servicer.build_request(pb, _Bridge(loop, queue, i))
+            requests = [self._servicer.build_request(pb, _Bridge(loop, queue, i),
+                                                     job.default_max_tokens)
                         for i, pb in enumerate(job.requests)]
         except InvalidRequest as error:
             raise invalid(str(error), param=_field_named(str(error))) from None
         echo_texts = [p if isinstance(p, str) else self._tokenizer.decode(p)
                       for p in job.echo_prompts]
+        return requests, echo_texts
+
+    async def _serve(self, http: HttpRequest, job: Job) -> Response:
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        requests, echo_texts = await asyncio.to_thread(
+            self._build, job, queue, asyncio.get_running_loop())
         release = self._acquire_slot(http)
+        self._submit(requests, release)
         try:
-            self._submit(requests)
             answer = Answer(job, self._token_text, echo_texts)
             watch = asyncio.ensure_future(_disconnected(http))
             try:
@@ -205,7 +213,7 @@ class HttpApi:
                     try:
                         return await self._whole(answer, queue, first, watch, len(requests))
                     finally:
-                        release()  # a stream gives its slot back in _chunks
+                        release()  # a stream gives its slot back in _EventStream
             finally:
                 watch.cancel()
             _raise_if_error(first)
@@ -217,9 +225,11 @@ class HttpApi:
             self._abort(requests)
             release()
             raise
-        return StreamingResponse(self._chunks(answer, queue, first, requests, release),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+
+        def close() -> None:  # however the stream ends: idempotent
+            self._abort(requests)
+            release()
+        return _EventStream(self._chunks(answer, queue, first, requests), close)
 
     def _acquire_slot(self, http: HttpRequest) -> Any:
         if self._expected:
@@ -231,12 +241,15 @@ class HttpApi:
         except LimitReached as error:
             raise ApiError(429, str(error)) from None
 
-    def _submit(self, requests: Sequence[Request]) -> None:
-        """Submits every prompt's request, or none (a full queue refuses the whole job)."""
-        for request in requests:
+    def _submit(self, requests: list[Request], release: Any) -> None:
+        """Submits every prompt's request, or none: a full queue refuses the whole job (the
+        ones submitted are aborted, the slot given back)."""
+        for count, request in enumerate(requests):
             try:
                 self._engine.submit(request)
             except AdmissionError as error:
+                self._abort(requests[:count])  # never the unsubmitted: they would stay queued
+                release()
                 raise ApiError(429, str(error)) from None
 
     def _abort(self, requests: Sequence[Request]) -> None:
@@ -259,35 +272,45 @@ class HttpApi:
             item = await _next(queue, watch)
 
     async def _chunks(self, answer: Answer, queue: asyncio.Queue[_Item], item: _Item,
-                      requests: Sequence[Request], release: Any) -> AsyncIterator[str]:
-        """The event stream: a chunk per message, the usage chunk when asked for, [DONE].
-        Leaving early (the client went away) aborts the requests."""
+                      requests: Sequence[Request]) -> AsyncIterator[str]:
+        """The event stream: a chunk per message, the usage chunk when asked for, [DONE]."""
         remaining = len(requests)
-        try:
-            while True:
-                index, message = item
-                if message is None:
-                    remaining -= 1
-                    if remaining == 0:
-                        break
-                elif isinstance(message, StreamError):
-                    # Headers are sent: the error goes in the stream, as vLLM does.
-                    error = from_grpc_code(message.code_name, message.message)
-                    yield _event(error.payload())
+        while True:
+            index, message = item
+            if message is None:
+                remaining -= 1
+                if remaining == 0:
                     break
-                else:
-                    if message.HasField("usage"):
-                        answer.add_usage(index, message.usage)
-                    chunk = answer.chunk(index, message)
-                    if chunk is not None:
-                        yield _event(chunk)
-                item = await queue.get()
-            if remaining == 0 and answer.job.include_usage:
-                yield _event(answer.usage_chunk())
-            yield "data: [DONE]\n\n"
+            elif isinstance(message, StreamError):
+                # Headers are sent: the error goes in the stream, as vLLM does.
+                yield _event(from_grpc_code(message.code_name, message.message).payload())
+                break
+            else:
+                if message.HasField("usage"):
+                    answer.add_usage(index, message.usage)
+                chunk = answer.chunk(index, message)
+                if chunk is not None:
+                    yield _event(chunk)
+            item = await queue.get()
+        if remaining == 0 and answer.job.include_usage:
+            yield _event(answer.usage_chunk())
+        yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-event response that calls `close` however it ends: finished, failed, or
+    cancelled by the client's disconnect (then the generator may be left suspended)."""
+
+    def __init__(self, events: AsyncIterator[str], close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._close = close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         finally:
-            self._abort(requests)
-            release()
+            self._close()
 
 
 def _field_named(message: str) -> str | None:
@@ -353,6 +376,11 @@ async def _not_found(http: HttpRequest, error: Exception) -> Response:
 async def _not_allowed(http: HttpRequest, error: Exception) -> Response:
     return await _error_response(
         http, ApiError(405, f"{http.method} is not allowed on {http.url.path}"))
+
+
+async def _gone(http: HttpRequest, error: Exception) -> Response:
+    """The client went away while sending its body: nobody reads the answer."""
+    return Response(status_code=499)
 
 
 async def _internal_error(http: HttpRequest, error: Exception) -> Response:

@@ -27,6 +27,7 @@ MAX_PROMPTS = 256
 MAX_USER_CHARS = 256
 # OpenAI's default max_tokens for /v1/completions (vLLM's too); chat defaults to what fits.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_BIAS = 100.0  # logit_bias values are clamped to [-MAX_BIAS, MAX_BIAS]
 
 # Fields of OpenAI's API that pagewire does not serve, with the values that ask for nothing
 # (sent by clients that fill every field in): any other value is refused, never ignored.
@@ -71,6 +72,8 @@ class Job:
     stream: bool
     include_usage: bool
     chat: bool
+    # An unset max_tokens: what fits, capped at this (completions: OpenAI's 16).
+    default_max_tokens: int | None = None
     # Completions with echo: each prompt (text, or token ids to decode), put before its outputs.
     echo_prompts: list[str | list[int]] = field(default_factory=list)
     # Completions: logprobs=k; chat: top_logprobs when logprobs is true. None: no logprobs.
@@ -175,9 +178,9 @@ def _json_type(value: Any) -> str:
 
 # ----- the two endpoints -------------------------------------------------------------------
 
-def parse_completion(body: dict[str, Any], model: str,
-                     default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS) -> Job:
-    """A /v1/completions body; `model` is the served name it must name (when it names one)."""
+def parse_completion(body: dict[str, Any], model: str) -> Job:
+    """A /v1/completions body; `model` is the served name it must name (when it names one).
+    Without max_tokens the job's default_max_tokens (OpenAI's 16) caps what fits."""
     fields = Fields(body, COMPLETION_FIELDS)
     prompts = _completion_prompts(body.get("prompt"))
     logprobs = fields.integer("logprobs", 0, _UINT32_MAX)
@@ -185,7 +188,7 @@ def parse_completion(body: dict[str, Any], model: str,
     if echo and logprobs is not None:
         raise invalid("echo with logprobs asks for the prompt's logprobs, which pagewire does "
                       "not compute: drop one of them", param="echo")
-    params = _sampling_params(fields, "max_tokens", default_max_tokens)
+    params = _sampling_params(fields, "max_tokens")
     if logprobs is not None:
         params.logprobs = logprobs
     requests = []
@@ -198,6 +201,7 @@ def parse_completion(body: dict[str, Any], model: str,
         requests.append(request)
     job = _job(fields, model, requests, params, chat=False)
     job.logprobs = logprobs
+    job.default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if echo:
         job.echo_prompts = prompts
     return job
@@ -211,7 +215,7 @@ def parse_chat(body: dict[str, Any], model: str) -> Job:
     top = fields.integer("top_logprobs", 0, _UINT32_MAX)
     if top is not None and not want_logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
-    params = _sampling_params(fields, "max_tokens", None)
+    params = _sampling_params(fields, "max_tokens")
     max_completion_tokens = fields.integer("max_completion_tokens", 1, _UINT32_MAX)
     if max_completion_tokens is not None:  # OpenAI's newer name wins
         params.max_tokens = max_completion_tokens
@@ -261,12 +265,9 @@ def _generate_request(fields: Fields, params: gateway_pb2.SamplingParams
     return request
 
 
-def _sampling_params(fields: Fields, max_key: str, default_max_tokens: int | None
-                     ) -> gateway_pb2.SamplingParams:
+def _sampling_params(fields: Fields, max_key: str) -> gateway_pb2.SamplingParams:
     params = gateway_pb2.SamplingParams()
     max_tokens = fields.integer(max_key, 1, _UINT32_MAX)
-    if max_tokens is None:
-        max_tokens = default_max_tokens
     if max_tokens is not None:
         params.max_tokens = max_tokens
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -323,7 +324,8 @@ def _logit_bias(value: Any) -> dict[int, float]:
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10 and _is_int32(int(key))):
             raise invalid(f"logit_bias key {key[:32]!r} is not a token id", param="logit_bias")
-        biases[int(key)] = _finite(bias, f"logit_bias[{key}]")
+        # OpenAI's range, applied here: past float32's range protobuf would store inf.
+        biases[int(key)] = min(max(_finite(bias, f"logit_bias[{key}]"), -MAX_BIAS), MAX_BIAS)
     return biases
 
 

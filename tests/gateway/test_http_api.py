@@ -649,6 +649,27 @@ def test_an_abandoned_whole_request_frees_its_blocks(stack: Stack, http: httpx.C
     assert_aborted_and_serving(stack, http, prompt, batches_before)
 
 
+def test_completions_default_max_tokens_bows_to_the_room_left(stack: Stack,
+                                                              http: httpx.Client) -> None:
+    """Without max_tokens a completion gets OpenAI's 16, or what fits when less does: the
+    default the client never sent is not refused."""
+    max_len = stack.gateway.servicer.limits.max_len  # type: ignore[union-attr]
+    for length, expected in ((9, 16), (max_len - 5, 5)):
+        response = http.post("/v1/completions", json=dict(
+            model=MODEL, prompt=prompt_of(80 + length % 7, length), temperature=0))
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == expected
+
+
+def test_logit_bias_past_float32_is_clamped_not_refused(http: httpx.Client) -> None:
+    """OpenAI clamps biases to [-100, 100]; 1e39 (inf as a protobuf float) is clamped too."""
+    answers = [http.post("/v1/completions", json=dict(
+        model=MODEL, prompt=prompt_of(90, 5), max_tokens=2, temperature=0,
+        logit_bias={"7": bias})) for bias in (100, 1e39)]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+
+
 def test_whole_answers_give_their_stream_slot_back(stack: Stack, http: httpx.Client) -> None:
     """More whole (non-streamed) answers than --max-streams-per-client, one after another:
     each gives its slot back (they once kept it, and the gateway refused everyone after)."""
@@ -783,6 +804,8 @@ def test_stream_and_queue_limits_are_rate_limit_errors(guarded: GuardedGateway) 
             thread.join(60)
     assert results == {"A": 200, "B": 200}
     wait_for(lambda: streams.open_streams == 0, 5)
+    # D was refused before it was submitted: nothing of it stays in the engine.
+    assert not engine._aborted_unplaced
 
 
 # ----- a backend down ------------------------------------------------------------------------

@@ -185,6 +185,9 @@ BAD_PENALTY_BATCHES: dict[str, Callable[..., ExecuteBatch]] = {
     "zero repetition": _set("repetition_penalties", 0, 0.0),
     "negative repetition": _set("repetition_penalties", 2, -1.0),
     "prompt_lens missing": _edited("prompt_lens", lambda v: v[:0]),
+    # Counting output tokens as prompt would silently switch presence/frequency off.
+    "prompt longer than the sequence": lambda b, r: _set(
+        "prompt_lens", 0, int(b.start_positions[0] + b.num_new_tokens[0]) + 1)(b, r),
     "history length neither 0 nor start": lambda b, r: _short_history(b),
     "penalised sampler without history": _edited(
         "penalty_history_lens", lambda v: np.zeros_like(v)),
