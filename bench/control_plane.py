@@ -1059,11 +1059,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(row["bad_answers"] for row in data["points"]) else 0
 
 
+def portable_paths(text: str) -> str:
+    """`text` with this machine's folders named as any machine has them: the checkout as
+    relative paths, the home folder as ~, the temp folder as $TMPDIR (results are committed)."""
+    for folder, name in ((ROOT, ""), (Path.home(), "~/"), (Path(tempfile.gettempdir()),
+                                                            "$TMPDIR/")):
+        text = text.replace(f"{folder}/", name)
+    return text
+
+
 def save_results(folder: Path, stem: str, data: dict[str, Any], text: str) -> None:
-    """Writes `stem`.json and `stem`.md (the table) into `folder` and prints the table."""
+    """Writes `stem`.json and `stem`.md (the table) into `folder` and prints the table; paths
+    in both are made portable (portable_paths)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{stem}.json").write_text(json.dumps(data, indent=2))
-    (folder / f"{stem}.md").write_text(text)
+    (folder / f"{stem}.json").write_text(portable_paths(json.dumps(data, indent=2)))
+    (folder / f"{stem}.md").write_text(portable_paths(text))
     print()
     print(text)
 

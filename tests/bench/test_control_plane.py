@@ -8,13 +8,14 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import grpc
 import pytest
 
 from bench import control_plane
-from bench.control_plane import BadAnswer, RunnerLoop
+from bench.control_plane import BadAnswer, RunnerLoop, save_results
 from bench.sim_runner import CostModel, sim_token
 from block_service.core import BlockServiceCore
 from block_service.servicer import BlockServicer
@@ -187,3 +188,17 @@ def test_sim_runner_answers_info_and_pending_steps_deterministically(tmp_path: P
             assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         assert service.terminate() == 0
+
+
+def test_saved_results_name_no_folder_of_this_machine(tmp_path: Path) -> None:
+    """Results are committed: the checkout, the home and the temp folder are written as any
+    machine has them."""
+    data = {"command": f"{ROOT}/.venv/bin/pagewire serve --model {Path.home()}/.cache/m",
+            "logs": f"{tempfile.gettempdir()}/openai-serve-x"}
+    save_results(tmp_path, "t", data, f"`{ROOT}/bench/x.py` {Path.home()}/a")
+    written = (tmp_path / "t.json").read_text() + (tmp_path / "t.md").read_text()
+    for folder in (ROOT, Path.home(), Path(tempfile.gettempdir())):
+        assert f"{folder}/" not in written
+    assert json.loads((tmp_path / "t.json").read_text()) == {
+        "command": ".venv/bin/pagewire serve --model ~/.cache/m",
+        "logs": "$TMPDIR/openai-serve-x"}
