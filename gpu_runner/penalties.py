@@ -14,8 +14,8 @@ Per row, on its raw logits, in vLLM's order:
 Only the rows that use one of them are copied and processed, and everything here is row by
 row elementwise arithmetic on exact integer counts, so a row's result depends on its own
 inputs alone (not on the batch, nor on the row order). The runner is stateless: a row's
-history (prompt and output so far) comes with every batch; ``PenaltyTensors.from_histories``
-packs it.
+history (prompt and output so far) comes with every batch; ``pack`` turns its columns into
+``PenaltyTensors``.
 """
 
 from __future__ import annotations
@@ -46,39 +46,6 @@ class PenaltyTensors:
     bias_rows: torch.Tensor  # [b] int64 in [0, m)
     bias_token_ids: torch.Tensor  # [b] int64, distinct within a row
     bias_values: torch.Tensor  # [b] float32
-
-    @classmethod
-    def from_histories(
-        cls,
-        presence: np.ndarray,
-        frequency: np.ndarray,
-        repetition: np.ndarray,
-        histories: list[np.ndarray],
-        prompt_lens: np.ndarray,
-        biases: list[dict[int, float]] | None = None,
-        device: torch.device | str = "cpu",
-    ) -> PenaltyTensors | None:
-        """From per-row parameters and token histories (tests and simple callers); rows
-        with nothing on are left out, None when no row is left."""
-        biases = biases or [{} for _ in histories]
-        lens = np.array([len(h) for h in histories], dtype=np.int64)
-        bias_counts = np.array([len(b) for b in biases], dtype=np.int64)
-        flat = np.concatenate([np.asarray(h, np.int64) for h in histories]
-                              or [np.zeros(0, np.int64)])
-        return pack(
-            presence=np.asarray(presence, np.float32),
-            frequency=np.asarray(frequency, np.float32),
-            repetition=np.asarray(repetition, np.float32),
-            history_starts=np.cumsum(lens) - lens,
-            history_lens=lens,
-            history_ids=flat.astype(np.int64),
-            prompt_lens=np.asarray(prompt_lens, np.int64),
-            bias_starts=np.cumsum(bias_counts) - bias_counts,
-            bias_counts=bias_counts,
-            bias_token_ids=np.array([t for b in biases for t in b], dtype=np.int64),
-            bias_values=np.array([v for b in biases for v in b.values()], dtype=np.float32),
-            device=torch.device(device),
-        )
 
 
 def rows_in_use(presence: np.ndarray, frequency: np.ndarray, repetition: np.ndarray,
@@ -155,17 +122,6 @@ def penalised(logits: torch.Tensor, penalties: PenaltyTensors) -> Iterator[None]
         yield
     finally:
         logits.index_copy_(0, rows, raw)
-
-
-def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
-    """The logits with bias and penalties applied to ``penalties.rows``: a new tensor (other
-    rows copied as they are); ``logits`` [n, vocab] float32 is left untouched."""
-    device = logits.device
-    rows = penalties.rows.to(device)
-    processed = process_rows(logits.index_select(0, rows), _on(penalties, device))
-    if rows.numel() == logits.shape[0]:  # rows are increasing and distinct: all of them
-        return processed
-    return logits.index_copy(0, rows, processed)
 
 
 def process_rows(values: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from gpu_runner.batch import ExecuteBatch
-from gpu_runner.penalties import PenaltyTensors, apply_penalties
+from gpu_runner.penalties import PenaltyTensors, pack, penalised
 from gpu_runner.runner import ModelRunner
 from gpu_runner.sampler import SamplingTensors, sample
 from tests.gpu_runner.conftest import load_oracle, make_runner
@@ -39,10 +39,30 @@ def random_histories(rows: int, seed: int, vocab: int = VOCAB) -> tuple[Historie
 def penalty_tensors(histories: Histories, prompt_lens: list[int], presence: list[float],
                     frequency: list[float], repetition: list[float],
                     biases: list[dict[int, float]] | None = None) -> PenaltyTensors | None:
-    return PenaltyTensors.from_histories(
-        np.array(presence, np.float32), np.array(frequency, np.float32),
-        np.array(repetition, np.float32), [np.array(h) for h in histories],
-        np.array(prompt_lens), biases)
+    """The runner's packing (penalties.pack) of per-row parameters and histories; rows with
+    nothing on are left out, None when none is left."""
+    biases = biases or [{} for _ in histories]
+    lens = np.array([len(h) for h in histories], dtype=np.int64)
+    bias_counts = np.array([len(b) for b in biases], dtype=np.int64)
+    return pack(
+        presence=np.array(presence, np.float32), frequency=np.array(frequency, np.float32),
+        repetition=np.array(repetition, np.float32),
+        history_starts=np.cumsum(lens) - lens, history_lens=lens,
+        history_ids=np.array([t for h in histories for t in h], dtype=np.int64),
+        prompt_lens=np.array(prompt_lens, np.int64),
+        bias_starts=np.cumsum(bias_counts) - bias_counts, bias_counts=bias_counts,
+        bias_token_ids=np.array([t for b in biases for t in b], dtype=np.int64),
+        bias_values=np.array([v for b in biases for v in b.values()], dtype=np.float32),
+        device=torch.device("cpu"))
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors | None) -> torch.Tensor:
+    """The logits the sampler sees inside ``penalised`` (the rows with something on
+    processed); ``logits`` is left untouched."""
+    assert penalties is not None
+    processed = logits.clone()
+    with penalised(processed, penalties):
+        return processed.clone()
 
 
 def openai_reference(logits: torch.Tensor, output: list[int], presence: float,
