@@ -1,5 +1,5 @@
-"""C++ kernels for the CPU (float32): paged attention that reads the KV cache in place, and
-the decoder layer's fused elementwise steps.
+"""C++ kernels for the CPU: paged attention that reads the KV cache in place and the panel
+linear layers, and the decoder layer's fused elementwise steps; float32 or bfloat16.
 
 - paged_attention (csrc/paged_attention.cpp): the torch path gathers every sequence's blocks
   into padded tensors and runs SDPA over them; on CPU the gather, the padding and SDPA (poor at
@@ -18,6 +18,11 @@ one of every file in csrc/ (torch rebuilds when a listed source changes, not a h
 When anything is missing (a compiler, ninja, a failing build), `available()` is False, one
 warning says why, and callers keep the torch path.
 
+bfloat16: the kernels read bfloat16 and compute in float32, but a bfloat16 runner is fast only
+where the CPU multiplies bfloat16 itself (AVX512_BF16 or AMX: oneDNN's GEMMs for many rows).
+Elsewhere, or with PAGEWIRE_FORCE_BF16_FALLBACK=1 (how tests simulate such a CPU), bfloat16
+runs on plain torch throughout (`bf16_native()` is False): correct, only slower.
+
 A container image builds the kernel once, at image build time, into its TORCH_EXTENSIONS_DIR,
 and runs it from there with a read-only file system (see the Dockerfile):
 - $PAGEWIRE_CPU_KERNEL_MARCH (default `native`) is the -march target. An image built on one
@@ -29,6 +34,7 @@ and runs it from there with a read-only file system (see the Dockerfile):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -46,6 +52,10 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp",
                                        "panel_linear.cpp")]
 _MARCH_ENV = "PAGEWIRE_CPU_KERNEL_MARCH"
+FORCE_BF16_FALLBACK_ENV = "PAGEWIRE_FORCE_BF16_FALLBACK"
+# /proc/cpuinfo flags of the instructions that multiply bfloat16 (Zen 4 and Cooper Lake on;
+# AMX on Sapphire Rapids on).
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
@@ -145,13 +155,45 @@ def failure_reason() -> str | None:
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """True when the kernels handle these tensors (float32 on the CPU)."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    """True when the kernels take these tensors: on the CPU, all of one kernel dtype."""
+    dtype = tensors[0].dtype
+    return (kernel_dtype(dtype)
+            and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors))
+
+
+def bf16_native() -> bool:
+    """True when this CPU multiplies bfloat16 in hardware and no fallback is forced."""
+    return bf16_fallback_reason() is None
+
+
+def bf16_fallback_reason() -> str | None:
+    """Why bfloat16 runs on plain torch here (None: it does not)."""
+    if os.environ.get(FORCE_BF16_FALLBACK_ENV, "").strip() not in ("", "0"):
+        return f"{FORCE_BF16_FALLBACK_ENV} is set"
+    if not _cpu_has_bf16():
+        return "this CPU has no bfloat16 instructions (avx512_bf16 / amx_bf16)"
+    return None
+
+
+@functools.cache
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "").split()
+    except OSError:  # not Linux: ask oneDNN (it checks the AVX-512 base, not BF16 itself)
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return any(flag in flags for flag in _BF16_FLAGS)
+
+
+def kernel_dtype(dtype: torch.dtype) -> bool:
+    """True when the attention and panel kernels serve `dtype`: float32, and bfloat16 on a
+    CPU that multiplies it natively (elsewhere bfloat16 stays on plain torch)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_native())
 
 
 def paged_attention(
-    query: torch.Tensor,  # [tokens, heads, head_dim] float32; head_dim contiguous
-    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32
+    query: torch.Tensor,  # [tokens, heads, head_dim] float32 or bfloat16; head_dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], query's dtype
     value_cache: torch.Tensor,  # same shape as key_cache
     block_tables: torch.Tensor,  # [seqs, max_blocks] int; entries past a context ignored
     context_lens: torch.Tensor,  # [seqs] int: keys per sequence, its new tokens' included
@@ -175,7 +217,7 @@ def paged_attention(
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """residual += x (in place), then returns rms_norm(residual) * weight as a new tensor.
-    x and residual: [rows, width] float32 with contiguous rows; weight: [width]."""
+    x and residual: [rows, width] with contiguous rows; weight: [width]; all one dtype."""
     return _require().add_rms_norm(x, residual, weight, float(eps))  # type: ignore[no-any-return]
 
 

@@ -132,6 +132,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(options.dtype, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            _log_bf16_kernels()
         if self.device.type == "cpu":
             torch.set_num_threads(options.num_threads or os.cpu_count() or 1)
         self.folder = resolve_model(options.model)
@@ -159,7 +161,7 @@ class ModelRunner:
         self.epoch = new_epoch()
         self.graphs = self._capture_graphs()
         # Built (or loaded from its cache) now rather than in the first step.
-        cpu_kernel = (self.backend_name == "torch" and self.dtype == torch.float32
+        cpu_kernel = (self.backend_name == "torch" and cpu_kernels.kernel_dtype(self.dtype)
                       and cpu_kernels.available(self.device))
         log.info("model %s (%s) on %s/%s: %d blocks of %d tokens, max_model_len %d, "
                  "linear backend %s, attention %s%s", self.folder.name,
@@ -400,6 +402,14 @@ def greedy_prompt_batch(length: int, block_size: int) -> ExecuteBatch:
         min_ps=np.zeros(1, dtype=np.float32),
         seeds=np.zeros(1, dtype=np.uint64),
     )
+
+
+def _log_bf16_kernels() -> None:
+    """One line when a bfloat16 runner cannot use the fast kernels (cpu_kernels.bf16_native)."""
+    why = cpu_kernels.bf16_fallback_reason()
+    if why is not None:
+        log.warning("bfloat16 fallback: %s; --dtype bfloat16 runs on plain torch kernels "
+                    "(correct, slower)", why)
 
 
 def _resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

@@ -1,8 +1,9 @@
 """Paged attention in plain torch: the CPU path and the reference for faster backends.
 
-Per layer the new tokens' K/V are first written at their slots. On the CPU in float32 the
-C++ kernel (gpu_runner/cpu_kernels.py) then attends every sequence in one call, reading the
-cache in place. Elsewhere (or when the kernel cannot be built) the batch's sequences are
+Per layer the new tokens' K/V are first written at their slots. On the CPU in float32 (and
+in bfloat16 where the CPU multiplies it: `cpu_kernels.kernel_dtype`) the C++ kernel
+(gpu_runner/cpu_kernels.py) then attends every sequence in one call, reading the cache in
+place. Elsewhere (or when the kernel cannot be built) the batch's sequences are
 attended in up to three padded groups, each one batched call:
 - decode: sequences with one new token (decodes, one-token chunks); their blocks are gathered
   and the query rows of a KV head attend together (no K/V repetition for GQA);

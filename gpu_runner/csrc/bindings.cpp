@@ -8,7 +8,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Causal attention of each sequence's new tokens over a paged KV cache read in place "
-        "(float32, CPU)",
+        "(float32 or bfloat16, CPU)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("query_start_locs"), py::arg("scale"));
   m.def("add_rms_norm", &add_rms_norm,
@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "weight [N, K] -> panels [ceil(N / 16), K, 16]",
         py::arg("weight"));
   m.def("panel_linear", &panel_linear,
-        "x [M, K] @ weight^T (+ bias) from the weight's panels (float32, CPU, few rows)",
+        "x [M, K] @ weight^T (+ bias) from the weight's panels (float32 or bfloat16, CPU, few "
+        "rows)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("out_features"));
 }

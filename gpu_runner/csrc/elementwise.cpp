@@ -1,14 +1,18 @@
-// Fused elementwise kernels for the CPU decoder layer (float32), each one pass over memory
-// where torch takes several: on 2 cores a prefill chunk's [2048, 576] activations pass
+// Fused elementwise kernels for the CPU decoder layer (float32 or bfloat16), each one pass
+// over memory where torch takes several: on 2 cores a prefill chunk's [2048, 576] activations pass
 // through RMSNorm's pow, mean, rsqrt and two muls plus the residual add, and the MLP's
 // [2048, 1536] gate through silu and a mul, each a full read and write.
 // Plain loops over fixed-width lanes that the compiler vectorises (-O3 -march=native); no
-// -ffast-math, so the arithmetic is IEEE float32 in a fixed order.
+// -ffast-math, so the arithmetic is IEEE float32 in a fixed order. In bfloat16 every value is
+// widened to float32, and rounded back to bfloat16 where Hugging Face's bfloat16 model rounds
+// (each op of its own returns bfloat16): the residual sum, the normalised row before the
+// weight, silu(gate) before the product, and each result.
 #include "elementwise.h"
 
 #include "exp_nonpositive.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <cmath>
 #include <cstdint>
@@ -31,11 +35,68 @@ int64_t grain_rows(int64_t width) {
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
-              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.device().is_cpu() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              name, " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ",
+              t.device());
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name,
               " must be [rows, width] with contiguous rows, got ", t.sizes(), " strides ",
               t.strides());
+}
+
+// The value `x` as a T would hold it, in float32 (identity for float: no rounding).
+template <typename T>
+inline float rounded(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <typename T>
+void add_rms_norm_rows(const T* xs, int64_t x_stride, T* rs, int64_t r_stride, const T* w,
+                       T* os, int64_t rows, int64_t width, float eps) {
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      T* r = rs + row * r_stride;
+      const T* xr = xs + row * x_stride;
+      float lanes[kLanes] = {0.0f};
+      int64_t i = 0;
+      for (; i + kLanes <= width; i += kLanes) {
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const float sum =
+              rounded<T>(static_cast<float>(r[i + l]) + static_cast<float>(xr[i + l]));
+          r[i + l] = static_cast<T>(sum);
+          lanes[l] += sum * sum;
+        }
+      }
+      for (; i < width; ++i) {
+        const float sum = rounded<T>(static_cast<float>(r[i]) + static_cast<float>(xr[i]));
+        r[i] = static_cast<T>(sum);
+        lanes[0] += sum * sum;
+      }
+      float total = 0.0f;
+      for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+      const float inverse_rms = 1.0f / std::sqrt(total / static_cast<float>(width) + eps);
+      T* o = os + row * width;
+      for (int64_t j = 0; j < width; ++j) {
+        o[j] = static_cast<T>(rounded<T>(static_cast<float>(r[j]) * inverse_rms) *
+                              static_cast<float>(w[j]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* in, int64_t stride, T* os, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* gate = in + row * stride;
+      const T* up = gate + width;
+      T* o = os + row * width;
+      for (int64_t j = 0; j < width; ++j) {
+        o[j] = static_cast<T>(rounded<T>(silu(static_cast<float>(gate[j]))) *
+                              static_cast<float>(up[j]));
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -46,41 +107,26 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape: ", x.sizes(),
               " vs ", residual.sizes());
+  const at::ScalarType type = x.scalar_type();
   const int64_t rows = x.size(0), width = x.size(1);
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat &&
-                  weight.dim() == 1 && weight.size(0) == width && weight.is_contiguous(),
-              "weight must be a contiguous float32 CPU vector of ", width, " values, got ",
-              weight.sizes());
+  TORCH_CHECK(residual.scalar_type() == type && weight.device().is_cpu() &&
+                  weight.scalar_type() == type && weight.dim() == 1 &&
+                  weight.size(0) == width && weight.is_contiguous(),
+              "residual and weight must have x's dtype, and weight be a contiguous CPU vector "
+              "of ", width, " values, got ", residual.scalar_type(), " and ",
+              weight.scalar_type(), " ", weight.sizes());
   at::Tensor out = at::empty({rows, width}, x.options());
-  const float* xs = x.data_ptr<float>();
-  float* rs = residual.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
   const float eps_f = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      float* r = rs + row * r_stride;
-      const float* xr = xs + row * x_stride;
-      float lanes[kLanes] = {0.0f};
-      int64_t i = 0;
-      for (; i + kLanes <= width; i += kLanes) {
-        for (int64_t l = 0; l < kLanes; ++l) {
-          r[i + l] += xr[i + l];
-          lanes[l] += r[i + l] * r[i + l];
-        }
-      }
-      for (; i < width; ++i) {
-        r[i] += xr[i];
-        lanes[0] += r[i] * r[i];
-      }
-      float sum = 0.0f;
-      for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
-      const float inverse_rms = 1.0f / std::sqrt(sum / static_cast<float>(width) + eps_f);
-      float* o = os + row * width;
-      for (int64_t j = 0; j < width; ++j) o[j] = r[j] * inverse_rms * w[j];
-    }
-  });
+  if (type == at::kBFloat16) {
+    add_rms_norm_rows(x.data_ptr<c10::BFloat16>(), x.stride(0),
+                      residual.data_ptr<c10::BFloat16>(), residual.stride(0),
+                      weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows,
+                      width, eps_f);
+  } else {
+    add_rms_norm_rows(x.data_ptr<float>(), x.stride(0), residual.data_ptr<float>(),
+                      residual.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(),
+                      rows, width, eps_f);
+  }
   return out;
 }
 
@@ -90,16 +136,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width, got ",
               gate_up.size(1));
   at::Tensor out = at::empty({rows, width}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  const int64_t stride = gate_up.stride(0);
-  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* gate = in + row * stride;
-      const float* up = gate + width;
-      float* o = os + row * width;
-      for (int64_t j = 0; j < width; ++j) o[j] = silu(gate[j]) * up[j];
-    }
-  });
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_and_mul_rows(gate_up.data_ptr<c10::BFloat16>(), gate_up.stride(0),
+                      out.data_ptr<c10::BFloat16>(), rows, width);
+  } else {
+    silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), rows,
+                      width);
+  }
   return out;
 }

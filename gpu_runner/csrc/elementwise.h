@@ -1,4 +1,5 @@
-// Fused elementwise kernels of the decoder layer (float32, CPU); see elementwise.cpp.
+// Fused elementwise kernels of the decoder layer (float32 or bfloat16, CPU); see
+// elementwise.cpp.
 #pragma once
 
 #include <torch/extension.h>

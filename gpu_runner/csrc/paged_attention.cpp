@@ -21,6 +21,7 @@
 #include "exp_nonpositive.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <atomic>
@@ -106,6 +107,20 @@ inline Vec load(const float* p) {
   return v;
 }
 
+// kLanes bfloat16 values widened to float32: a bfloat16 is the upper half of a float32, so
+// the widening is exact (zero-extend, shift by 16), and the compiler vectorises it.
+using Bf16Bits = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+using F32Bits = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec load(const c10::BFloat16* p) {
+  Bf16Bits half;
+  std::memcpy(&half, p, sizeof(half));
+  const F32Bits bits = __builtin_convertvector(half, F32Bits) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline float hsum(Vec v) {
@@ -122,8 +137,8 @@ inline float hsum(Vec v) {
 
 // Scores of R query rows against one key: one vector accumulator per row, in registers, and
 // every key element loaded once for all rows.
-template <int R>
-inline void dot_rows(const float* q, int64_t dim, const float* k, float* out,
+template <int R, typename T>
+inline void dot_rows(const float* q, int64_t dim, const T* k, float* out,
                      int64_t out_stride) {
   Vec acc[R] = {};
   int64_t d = 0;
@@ -134,7 +149,7 @@ inline void dot_rows(const float* q, int64_t dim, const float* k, float* out,
   }
   float tail[R] = {};
   for (; d < dim; ++d) {
-    for (int r = 0; r < R; ++r) tail[r] += q[r * dim + d] * k[d];
+    for (int r = 0; r < R; ++r) tail[r] += q[r * dim + d] * static_cast<float>(k[d]);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + tail[r];
@@ -142,8 +157,8 @@ inline void dot_rows(const float* q, int64_t dim, const float* k, float* out,
 
 // acc[r][:] += sum_i p[r][i] * v_i[:] over n value rows: the outer loop is over lane chunks of
 // the head dimension so that the R accumulators stay in registers while the rows stream by.
-template <int R>
-inline void weighted_rows(const float* p, int64_t p_stride, const float* v, int64_t v_stride,
+template <int R, typename T>
+inline void weighted_rows(const float* p, int64_t p_stride, const T* v, int64_t v_stride,
                           int64_t n, int64_t dim, float* acc) {
   int64_t d0 = 0;
   for (; d0 + kLanes <= dim; d0 += kLanes) {
@@ -161,7 +176,7 @@ inline void weighted_rows(const float* p, int64_t p_stride, const float* v, int6
   for (; d0 < dim; ++d0) {  // a head_dim that is not a multiple of kLanes
     for (int64_t i = 0; i < n; ++i) {
       for (int r = 0; r < R; ++r) {
-        acc[r * dim + d0] += p[r * p_stride + i] * v[i * v_stride + d0];
+        acc[r * dim + d0] += p[r * p_stride + i] * static_cast<float>(v[i * v_stride + d0]);
       }
     }
   }
@@ -169,10 +184,11 @@ inline void weighted_rows(const float* p, int64_t p_stride, const float* v, int6
 
 // Asks for the next block's rows while this one is computed: blocks are scattered in memory,
 // so the hardware prefetcher cannot guess them (about 10-15 % faster here).
-inline void prefetch_rows(const float* first, int64_t stride, int64_t rows, int64_t dim) {
-  constexpr int64_t kLineFloats = 64 / sizeof(float);
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t stride, int64_t rows, int64_t dim) {
+  constexpr int64_t kLineValues = 64 / sizeof(T);
   for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t d = 0; d < dim; d += kLineFloats) __builtin_prefetch(first + i * stride + d);
+    for (int64_t d = 0; d < dim; d += kLineValues) __builtin_prefetch(first + i * stride + d);
   }
 }
 
@@ -230,8 +246,8 @@ inline void dot_keys_transposed(const float* q, int64_t dim, const float* kt, in
 // weighted_rows for a head_dim of exactly C * kLanes: all R x C accumulators stay in registers
 // while the value rows stream by, so each row is loaded once for R query rows and each weight
 // once for C vectors (weighted_rows reloads the weights for every lane chunk).
-template <int R, int C>
-inline void weighted_rows_blocked(const float* p, int64_t p_stride, const float* v,
+template <int R, int C, typename T>
+inline void weighted_rows_blocked(const float* p, int64_t p_stride, const T* v,
                                   int64_t v_stride, int64_t n, float* acc) {
   Vec sums[R][C];
   for (int r = 0; r < R; ++r) {
@@ -297,16 +313,17 @@ inline int64_t transposed_size(int64_t context, int64_t dim) {
 
 // The first `context` keys of one sequence and KV head, read through its block table, written
 // as chunks kt[chunk][d][i] = key (chunk * kLanes + i)[d].
-void transpose_keys(const Geometry& g, const Strides& s, const float* keys,
+template <typename T>
+void transpose_keys(const Geometry& g, const Strides& s, const T* keys,
                     const int64_t* table, int64_t context, int64_t kv_head, float* kt) {
   const int64_t dim = g.head_dim;
   for (int64_t key0 = 0; key0 < context; key0 += kLanes, kt += dim * kLanes) {
     const int64_t n = std::min(kLanes, context - key0);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = key0 + i;
-      const float* row = keys + table[t / g.block_size] * s.k_block +
-                         (t % g.block_size) * s.k_slot + kv_head * s.k_head;
-      for (int64_t d = 0; d < dim; ++d) kt[d * kLanes + i] = row[d];
+      const T* row = keys + table[t / g.block_size] * s.k_block +
+                     (t % g.block_size) * s.k_slot + kv_head * s.k_head;
+      for (int64_t d = 0; d < dim; ++d) kt[d * kLanes + i] = static_cast<float>(row[d]);
     }
     for (int64_t i = n; i < kLanes; ++i) {
       for (int64_t d = 0; d < dim; ++d) kt[d * kLanes + i] = 0.0f;
@@ -340,8 +357,8 @@ void scores_transposed(const Geometry& g, const Item& item, const float* q, int6
 
 // Pass 2: acc[r] += sum_t p_r[t] v_t over the keys each tile of rows sees. C = head_dim /
 // kLanes selects weighted_rows_blocked (with tiles of MaxRows rows); C = 0 any head_dim.
-template <int MaxRows, int C>
-void weigh_values(const Geometry& g, const Strides& s, const float* values,
+template <int MaxRows, int C, typename T>
+void weigh_values(const Geometry& g, const Strides& s, const T* values,
                   const int64_t* table, const Item& item, int64_t rows, int64_t context,
                   Scratch& scratch) {
   const int64_t dim = g.head_dim;
@@ -351,7 +368,7 @@ void weigh_values(const Geometry& g, const Strides& s, const float* values,
     constexpr int R = decltype(tile)::value;
     const int64_t seen = visible_keys(item, g.q_per_kv, std::min(rows, r0 + R) - 1);
     for (int64_t t0 = 0, b = 0; t0 < seen; t0 += g.block_size, ++b) {
-      const float* block = values + table[b] * s.v_block + item.kv_head * s.v_head;
+      const T* block = values + table[b] * s.v_block + item.kv_head * s.v_head;
       const int64_t n = std::min(g.block_size, seen - t0);
       if (t0 + g.block_size < seen) {
         prefetch_rows(values + table[b + 1] * s.v_block + item.kv_head * s.v_head, s.v_slot,
@@ -368,8 +385,8 @@ void weigh_values(const Geometry& g, const Strides& s, const float* values,
 }
 
 // Pass 2 for one tile of R query rows over n value rows: acc[r] += sum_i p[r][i] v_i.
-template <int R>
-inline void weigh_rows(const float* p, int64_t p_stride, const float* v, int64_t v_stride,
+template <int R, typename T>
+inline void weigh_rows(const float* p, int64_t p_stride, const T* v, int64_t v_stride,
                        int64_t n, int64_t dim, float* acc) {
   if (dim == 4 * kLanes) {
     weighted_rows_blocked<R, 4>(p, p_stride, v, v_stride, n, acc);
@@ -383,9 +400,10 @@ inline void weigh_rows(const float* p, int64_t p_stride, const float* v, int64_t
 // while a block is computed the same slots of the next block are prefetched. Per-head items
 // would read each block three times at a stride (one 256-byte row per slot and head), which
 // the hardware prefetcher follows poorly: decode attention is bound by reading the cache.
-void attend_decode(const Geometry& g, const Strides& s, const float* query, const float* keys,
-                   const float* values, const int64_t* table, const Item& item, float scale,
-                   float* out, Scratch& scratch) {
+template <typename T>
+void attend_decode(const Geometry& g, const Strides& s, const T* query, const T* keys,
+                   const T* values, const int64_t* table, const Item& item, float scale,
+                   T* out, Scratch& scratch) {
   const int64_t qn = g.q_per_kv, dim = g.head_dim, heads = g.num_heads;
   const int64_t context = item.first_pos + 1;
   scratch.scores.resize(static_cast<size_t>(heads * context));
@@ -396,12 +414,12 @@ void attend_decode(const Geometry& g, const Strides& s, const float* query, cons
   float* q = scratch.query.data();
   float* acc = scratch.acc.data();
   for (int64_t h = 0; h < heads; ++h) {
-    const float* src = query + item.first_token * s.q_token + h * s.q_head;
-    for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = src[d] * scale;
+    const T* src = query + item.first_token * s.q_token + h * s.q_head;
+    for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = static_cast<float>(src[d]) * scale;
   }
   // Pass 1: scores.
   for (int64_t t0 = 0, b = 0; t0 < context; t0 += g.block_size, ++b) {
-    const float* block = keys + table[b] * s.k_block;
+    const T* block = keys + table[b] * s.k_block;
     const int64_t n = std::min(g.block_size, context - t0);
     const int64_t n_next = std::min(g.block_size, context - t0 - g.block_size);
     for (int64_t i = 0; i < n; ++i) {
@@ -410,7 +428,7 @@ void attend_decode(const Geometry& g, const Strides& s, const float* query, cons
                       dim);
       }
       for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
-        const float* key = block + i * s.k_slot + kv * s.k_head;
+        const T* key = block + i * s.k_slot + kv * s.k_head;
         for_row_tiles<kDotRows>(0, qn, [&](auto tile, int64_t r0) {
           const int64_t row = kv * qn + r0;
           dot_rows<decltype(tile)::value>(q + row * dim, dim, key, scores + row * context + t0 + i,
@@ -426,10 +444,10 @@ void attend_decode(const Geometry& g, const Strides& s, const float* query, cons
   }
   // Pass 2: weighted sums of the values.
   for (int64_t t0 = 0, b = 0; t0 < context; t0 += g.block_size, ++b) {
-    const float* block = values + table[b] * s.v_block;
+    const T* block = values + table[b] * s.v_block;
     const int64_t n = std::min(g.block_size, context - t0);
     if (t0 + g.block_size < context) {
-      const float* next = values + table[b + 1] * s.v_block;
+      const T* next = values + table[b + 1] * s.v_block;
       const int64_t n_next = std::min(g.block_size, context - t0 - g.block_size);
       for (int64_t i = 0; i < n_next; ++i) {
         prefetch_rows(next + i * s.v_slot, s.v_head, g.num_kv_heads, dim);
@@ -444,15 +462,16 @@ void attend_decode(const Geometry& g, const Strides& s, const float* query, cons
       });
     }
   }
-  float* dst = out + item.first_token * heads * dim;
+  T* dst = out + item.first_token * heads * dim;
   for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = acc[h * dim + d] * inv_sums[h];
+    for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = static_cast<T>(acc[h * dim + d] * inv_sums[h]);
   }
 }
 
-void attend_item(const Geometry& g, const Strides& s, const float* query, const float* keys,
-                 const float* values, const int64_t* table, const Item& item, float scale,
-                 float* out, Scratch& scratch) {
+template <typename T>
+void attend_item(const Geometry& g, const Strides& s, const T* query, const T* keys,
+                 const T* values, const int64_t* table, const Item& item, float scale,
+                 T* out, Scratch& scratch) {
   const int64_t qn = g.q_per_kv, dim = g.head_dim;
   const int64_t rows = item.tokens * qn;
   const int64_t context = item.first_pos + item.tokens;  // keys the item's last token sees
@@ -464,9 +483,9 @@ void attend_item(const Geometry& g, const Strides& s, const float* query, const 
   float* q = scratch.query.data();
   float* acc = scratch.acc.data();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* src = query + (item.first_token + r / qn) * s.q_token +
-                       (item.kv_head * qn + r % qn) * s.q_head;
-    for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = src[d] * scale;
+    const T* src = query + (item.first_token + r / qn) * s.q_token +
+                   (item.kv_head * qn + r % qn) * s.q_head;
+    for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = static_cast<float>(src[d]) * scale;
   }
   // Pass 1: scores, block by block in place.
   if (item.keys_t != nullptr) {
@@ -477,7 +496,7 @@ void attend_item(const Geometry& g, const Strides& s, const float* query, const 
       // Up to the last key any row of the tile sees.
       const int64_t seen = visible_keys(item, qn, std::min(rows, r0 + R) - 1);
       for (int64_t t0 = 0, b = 0; t0 < seen; t0 += g.block_size, ++b) {
-        const float* block = keys + table[b] * s.k_block + item.kv_head * s.k_head;
+        const T* block = keys + table[b] * s.k_block + item.kv_head * s.k_head;
         const int64_t n = std::min(g.block_size, seen - t0);
         if (t0 + g.block_size < seen) {
           prefetch_rows(keys + table[b + 1] * s.k_block + item.kv_head * s.k_head, s.k_slot,
@@ -506,9 +525,9 @@ void attend_item(const Geometry& g, const Strides& s, const float* query, const 
     default: weigh_values<8, 0>(g, s, values, table, item, rows, context, scratch); break;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = out + ((item.first_token + r / qn) * g.num_heads + item.kv_head * qn + r % qn) *
-                           dim;
-    for (int64_t d = 0; d < dim; ++d) dst[d] = acc[r * dim + d] * inv_sums[r];
+    T* dst = out + ((item.first_token + r / qn) * g.num_heads + item.kv_head * qn + r % qn) *
+                       dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d] * inv_sums[r]);
   }
 }
 
@@ -519,9 +538,10 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
        {&query, &key_cache, &value_cache, &block_tables, &context_lens, &query_start_locs}) {
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: every tensor must be on the CPU");
   }
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "paged_attention: only float32 query and caches are supported, got ",
+  const at::ScalarType type = query.scalar_type();
+  TORCH_CHECK((type == at::kFloat || type == at::kBFloat16) &&
+                  key_cache.scalar_type() == type && value_cache.scalar_type() == type,
+              "paged_attention: query and caches must all be float32 or all bfloat16, got ",
               query.scalar_type(), ", ", key_cache.scalar_type(), ", ",
               value_cache.scalar_type());
   TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, head_dim], got ", query.sizes());
@@ -634,6 +654,41 @@ void parallel_dynamic(int64_t count, int64_t threads, Fn&& fn) {
                    });
 }
 
+// The kernel for one element type T of the query, the caches and the output (float, or
+// c10::BFloat16: read and written as bfloat16, computed in float32).
+template <typename T>
+void attend_all(const Geometry& g, const Strides& s, const T* q, const T* k, const T* v, T* o,
+                const int64_t* table_data, const int64_t* len_data, const int64_t* start_data,
+                float scale) {
+  Plan plan = plan_work(g, len_data, start_data);
+  // A thread should get enough work (~2k query-key pairs, a few microseconds) to pay for
+  // waking it; small calls run on the calling thread alone.
+  constexpr int64_t kPairsPerThread = 2048;
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), plan.total_pairs / kPairsPerThread));
+  const int64_t heads = g.num_kv_heads;
+  parallel_dynamic(static_cast<int64_t>(plan.transposed.size()) * heads, threads,
+                   [&](int64_t i) {
+                     const auto [seq, offset] = plan.transposed[static_cast<size_t>(i / heads)];
+                     const int64_t kv_head = i % heads;
+                     transpose_keys(g, s, k, table_data + seq * g.max_blocks, len_data[seq],
+                                    kv_head,
+                                    plan.keys_t.data() + offset +
+                                        kv_head * transposed_size(len_data[seq], g.head_dim));
+                   });
+  std::vector<Scratch> scratches(static_cast<size_t>(at::get_num_threads()));
+  parallel_dynamic(static_cast<int64_t>(plan.items.size()), threads, [&](int64_t i) {
+    const Item& item = plan.items[static_cast<size_t>(i)];
+    Scratch& scratch = scratches[static_cast<size_t>(at::get_thread_num())];
+    const int64_t* table = table_data + item.seq * g.max_blocks;
+    if (item.kv_head < 0) {
+      attend_decode(g, s, q, k, v, table, item, scale, o, scratch);
+    } else {
+      attend_item(g, s, q, k, v, table, item, scale, o, scratch);
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
@@ -662,37 +717,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                   key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
                   value_cache.stride(1), value_cache.stride(2)};
   at::Tensor out = at::empty({g.num_tokens, g.num_heads, g.head_dim}, query.options());
-  const float* q = query.data_ptr<float>();
-  const float* k = key_cache.data_ptr<float>();
-  const float* v = value_cache.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  Plan plan = plan_work(g, len_data, start_data);
-  // A thread should get enough work (~2k query-key pairs, a few microseconds) to pay for
-  // waking it; small calls run on the calling thread alone.
-  constexpr int64_t kPairsPerThread = 2048;
-  const int64_t threads = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), plan.total_pairs / kPairsPerThread));
-  const int64_t heads = g.num_kv_heads;
-  parallel_dynamic(static_cast<int64_t>(plan.transposed.size()) * heads, threads,
-                   [&](int64_t i) {
-                     const auto [seq, offset] = plan.transposed[static_cast<size_t>(i / heads)];
-                     const int64_t kv_head = i % heads;
-                     transpose_keys(g, s, k, table_data + seq * g.max_blocks, len_data[seq],
-                                    kv_head,
-                                    plan.keys_t.data() + offset +
-                                        kv_head * transposed_size(len_data[seq], g.head_dim));
-                   });
   const float scale_f = static_cast<float>(scale);
-  std::vector<Scratch> scratches(static_cast<size_t>(at::get_num_threads()));
-  parallel_dynamic(static_cast<int64_t>(plan.items.size()), threads, [&](int64_t i) {
-    const Item& item = plan.items[static_cast<size_t>(i)];
-    Scratch& scratch = scratches[static_cast<size_t>(at::get_thread_num())];
-    const int64_t* table = table_data + item.seq * g.max_blocks;
-    if (item.kv_head < 0) {
-      attend_decode(g, s, q, k, v, table, item, scale_f, o, scratch);
-    } else {
-      attend_item(g, s, q, k, v, table, item, scale_f, o, scratch);
-    }
-  });
+  if (query.scalar_type() == at::kBFloat16) {
+    attend_all(g, s, query.data_ptr<c10::BFloat16>(), key_cache.data_ptr<c10::BFloat16>(),
+               value_cache.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+               table_data, len_data, start_data, scale_f);
+  } else {
+    attend_all(g, s, query.data_ptr<float>(), key_cache.data_ptr<float>(),
+               value_cache.data_ptr<float>(), out.data_ptr<float>(), table_data, len_data,
+               start_data, scale_f);
+  }
   return out;
 }

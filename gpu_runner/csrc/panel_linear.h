@@ -1,4 +1,5 @@
-// Few-row linear layers from weights packed in panels (float32, CPU); see panel_linear.cpp.
+// Few-row linear layers from weights packed in panels (float32 or bfloat16, CPU); see
+// panel_linear.cpp.
 #pragma once
 
 #include <torch/extension.h>

@@ -11,8 +11,8 @@ from gpu_runner import cpu_kernels
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up = [gate | up] along the last dimension -> silu(gate) * up.
 
-    On the CPU in float32, one fused C++ pass; elsewhere in place in gate_up's first half (the
-    caller's fresh projection output)."""
+    On the CPU in float32 or bfloat16 (cpu_kernels.supports), one fused C++ pass; elsewhere
+    in place in gate_up's first half (the caller's fresh projection output)."""
     if gate_up.dim() == 2 and cpu_kernels.supports(gate_up) and cpu_kernels.available():
         return cpu_kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

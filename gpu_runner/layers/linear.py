@@ -21,8 +21,14 @@ reads all the weights, which do not fit in the cache, and a load-time measuremen
 weight, which then sits in the cache, the one case where the panels have no edge.
 
 Cost: the panels are +100 % of the weight memory; MKL's layout, for the shapes whose policy
-uses it, up to +100 % more (~+0.5 GB each for SmolLM2-135M in float32). CUDA and other dtypes
-always use plain `F.linear`.
+uses it, up to +100 % more (~+0.5 GB each for SmolLM2-135M in float32).
+
+CPU bfloat16 (where the CPU multiplies bfloat16: `cpu_kernels.kernel_dtype`): PLAIN is
+oneDNN's bfloat16 GEMM (AVX512_BF16 / AMX), several times MKL's float32 rate once there are
+rows enough; PANELS read the bfloat16 weights and widen them to float32 as they stream, so
+few rows stay bound by memory at half float32's bytes. MKL has no bfloat16 packing. The
+panels take BF16_PANEL_ROWS unmeasured (for the reason above); above, the two are measured.
+CUDA, float16 and the bfloat16 fallback always use plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -42,14 +48,18 @@ from gpu_runner import cpu_kernels
 
 log = logging.getLogger(__name__)
 
-# `--linear-backend`: auto = panels for PANEL_ROWS rows, elsewhere the kernel measured fastest
-# (CPU float32); packed = MKL-packed for every row count up to the last bucket (no
-# measurement, no panels); plain = off.
+# `--linear-backend`: auto = panels for the few rows of decode batches, elsewhere the kernel
+# measured fastest (CPU float32, and bfloat16 where the CPU multiplies it); packed = MKL-packed
+# for every row count up to the last bucket (no measurement, no panels); plain = off.
 LINEAR_BACKENDS = ("auto", "packed", "plain")
 # The row counts that go through the panel kernel unmeasured (bench/linear.py: faster than
 # every other kernel here on the EPYC VM, 1.5-3.5x; on the Xeon VM 8-24 % faster than
 # MKL-packed from 4 to 64 rows and 2-10 % slower at 1-2).
 PANEL_ROWS = range(1, 65)
+# In bfloat16 oneDNN's GEMM overtakes the panels much earlier (it multiplies bfloat16 pairs
+# natively; the panels widen to float32 FMAs): measured on the EPYC VM, all 30 layers and the
+# head of SmolLM2-135M cold, the panels are 3.7-19x faster up to 8 rows and oneDNN from ~16.
+BF16_PANEL_ROWS = range(1, 9)
 
 # Row counts are rounded up to a power of two; above the last bucket, and at buckets above a
 # shape's measuring budget (TUNE_MAX_MACS), the last measured bucket's kernel is used.
@@ -68,7 +78,7 @@ TUNE_ROUNDS = 5
 
 
 class Gemm(enum.Enum):
-    """The kernels a CPU float32 projection can run on (see the module's docstring)."""
+    """The kernels a CPU projection can run on (see the module's docstring)."""
 
     PLAIN = "plain"
     MKL_PACKED = "mkl-packed"
@@ -115,6 +125,7 @@ class GemmShape:
     has_bias: bool
     threads: int
     panels: bool  # the panel kernel is built: it takes PANEL_ROWS, and competes above
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -182,17 +193,25 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend to install for `requested`: auto falls back to plain where packing cannot
-    run; a forced `packed` that cannot run is an error."""
+    """The backend to install for `requested`: auto falls back to plain where neither packing
+    nor the panels can run; a forced `packed` that cannot run is an error."""
     if requested not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {requested!r} "
                          f"(choose from {', '.join(LINEAR_BACKENDS)})")
     if requested == "plain" or packing_supported(device, dtype):
         return requested
+    if requested == "auto" and bf16_panels_supported(device, dtype):
+        return requested
     if requested == "packed":
         raise ValueError(f"--linear-backend packed needs float32 on a CPU with MKL "
                          f"(got {dtype} on {device})")
     return "plain"
+
+
+def bf16_panels_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """bfloat16 on a CPU that multiplies it natively (elsewhere: the plain torch fallback)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.kernel_dtype(dtype)
+            and cpu_kernels.available(device))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -205,13 +224,13 @@ GemmRun = Callable[[torch.Tensor], object]  # runs one kernel on an input x
 
 def candidate_kernels(weight: torch.Tensor, bias: torch.Tensor | None,
                       panels: torch.Tensor | None) -> dict[Gemm, GemmRun]:
-    """The kernels a shape's tuning compares (MKL's layout made here, for the measurement)."""
-    mkl_packed = pack_weight(weight)
-    candidates: dict[Gemm, GemmRun] = {
-        Gemm.PLAIN: lambda x: F.linear(x, weight, bias),
-        Gemm.MKL_PACKED: lambda x: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, bias,
-                                                             x.shape[0]),
-    }
+    """The kernels a shape's tuning compares (MKL's layout, where MKL serves the dtype, made
+    here for the measurement)."""
+    candidates: dict[Gemm, GemmRun] = {Gemm.PLAIN: lambda x: F.linear(x, weight, bias)}
+    if packing_supported(weight.device, weight.dtype):
+        mkl_packed = pack_weight(weight)
+        candidates[Gemm.MKL_PACKED] = lambda x: torch.ops.mkl._mkl_linear(
+            x, mkl_packed, weight, bias, x.shape[0])
     if panels is not None:
         candidates[Gemm.PANELS] = lambda x: cpu_kernels.panel_linear(x, panels, bias,
                                                                      weight.shape[0])
@@ -276,11 +295,16 @@ class PolicyCache:
         if shape not in self._policies:
             self._policies[shape] = tune_policy(
                 weight, candidate_kernels(weight, bias, panels),
-                panel_rows=PANEL_ROWS if panels is not None else range(0))
+                panel_rows=unmeasured_panel_rows(weight.dtype) if panels is not None else range(0))
         return self._policies[shape]
 
 
 POLICIES = PolicyCache()
+
+
+def unmeasured_panel_rows(dtype: torch.dtype) -> range:
+    """The row counts the panels take unmeasured, per dtype."""
+    return BF16_PANEL_ROWS if dtype == torch.bfloat16 else PANEL_ROWS
 
 
 def packable_modules(model: nn.Module) -> Iterator[Linear]:
@@ -318,9 +342,10 @@ def install_linear_backend(model: nn.Module, backend: str,
 def _attach_packed(module: Linear, backend: str, cache: PolicyCache
                    ) -> tuple[GemmShape, GemmPolicy]:
     weight, bias = module.weight, module.bias
-    use_panels = backend == "auto" and cpu_kernels.available(weight.device)
+    use_panels = (backend == "auto" and cpu_kernels.available(weight.device)
+                  and cpu_kernels.kernel_dtype(weight.dtype))
     shape = GemmShape(weight.shape[0], weight.shape[1], bias is not None,
-                      torch.get_num_threads(), use_panels)
+                      torch.get_num_threads(), use_panels, weight.dtype)
     panels = cpu_kernels.pack_panels(weight) if use_panels else None
     policy = (ALWAYS_MKL_PACKED if backend == "packed"
               else cache.policy(shape, weight, bias, panels))

@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x (in place: the forward's own running sum), then the norm of the new
-        residual as a new tensor. On the CPU in float32, one fused C++ pass."""
+        residual as a new tensor. On the CPU in float32 or bfloat16 (cpu_kernels.supports),
+        one fused C++ pass."""
         if (x.dim() == 2 and cpu_kernels.supports(x, residual, self.weight)
                 and cpu_kernels.available()):
             return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)

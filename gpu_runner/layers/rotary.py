@@ -66,14 +66,15 @@ class RotaryEmbedding(nn.Module):
         # Set by LlamaForCausalLM.interleave_rotary once the q/k rows are reordered.
         self.interleaved = False
 
-    def rotation(self, positions: torch.Tensor) -> Rotation:
-        """The rotation of the tokens at `positions`: computed once per forward and shared by
-        every layer."""
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation of the tokens at `positions` for activations of `dtype`: computed once
+        per forward and shared by every layer (cos/sin rounded to `dtype`, as Hugging Face
+        rounds them, once rather than in every layer)."""
         cos = self.cos_half[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
         sin = self.sin_half[positions].unsqueeze(1)
         if self.interleaved:
             return Rotation(cos=None, sin=None, turns=torch.complex(cos.float(), sin.float()))
-        return Rotation(cos=cos, sin=sin, turns=None)
+        return Rotation(cos=cos.to(dtype), sin=sin.to(dtype), turns=None)
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         """Runs every new token through the model; returns logits [sampled seqs, vocab]
         for the tokens at meta.logits_indices only."""
         plan = self.backend.plan(meta)
-        rotation = self.rotary.rotation(meta.positions)
+        rotation = self.rotary.rotation(meta.positions, self.embed_tokens.weight.dtype)
         residual = self.embed_tokens(token_ids)
         delta = None
         for index, layer in enumerate(self.layers):

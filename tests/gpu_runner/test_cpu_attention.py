@@ -243,3 +243,56 @@ def test_heads_not_a_multiple_of_kv_heads_is_refused() -> None:
 
 def test_not_available_off_cpu() -> None:
     assert not cpu_kernels.available("meta")
+
+
+# ---- bfloat16: query, caches and output in bfloat16, computed in float32 ----
+
+# The kernel rounds once, at the output: against the float64 reference over the same bfloat16
+# inputs it may differ by the rounding (half a bfloat16 ulp, 2^-9 relative) plus float32's sums.
+BF16_RTOL = 2**-8
+
+
+def as_bf16(case: Case) -> Case:
+    """The case in bfloat16 (its NaN slots stay NaN)."""
+    return Case(case.query.bfloat16(), case.layer_cache.bfloat16(), case.block_tables,
+                case.context_lens, case.query_start_locs, case.scale)
+
+
+def assert_bf16_matches(case: Case) -> None:
+    out = run_kernel(case)
+    assert out.shape == case.query.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference(case), rtol=BF16_RTOL, atol=2**-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES_WITH_ODD.values(), ids=SHAPES_WITH_ODD.keys())
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_bf16_decodes_across_threads(shape: tuple[int, int, int], block_size: int) -> None:
+    gen = torch.Generator().manual_seed(6)
+    lengths = torch.randint(1, 400, (40,), generator=gen).tolist()
+    assert_bf16_matches(as_bf16(make_case(lengths, *shape, block_size=block_size, seed=6)))
+
+
+@pytest.mark.parametrize("shape", SHAPES_WITH_ODD.values(), ids=SHAPES_WITH_ODD.keys())
+def test_bf16_decodes_prompts_and_chunks_in_one_batch(shape: tuple[int, int, int]) -> None:
+    gen = torch.Generator().manual_seed(12)
+    lengths = torch.randint(20, 300, (9,), generator=gen).tolist()
+    new = [1 if i % 3 == 0 else length if i % 3 == 1 else length // 2
+           for i, length in enumerate(lengths)]
+    case = make_case(lengths, *shape, block_size=16, seed=12, new_tokens=new)
+    assert_bf16_matches(as_bf16(case))
+
+
+def test_bf16_large_scores_and_strided_query() -> None:
+    case = as_bf16(make_case([40, 300], 9, 3, 64, block_size=16, new_tokens=[40, 1]))
+    case.query = case.query * 400.0
+    fused = torch.zeros(41, 15, 64, dtype=torch.bfloat16)
+    fused[:, :9] = case.query
+    out = run_kernel(case, query=fused[:, :9])
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference(case), rtol=BF16_RTOL, atol=2**-12)
+
+
+def test_mixed_dtypes_are_refused() -> None:
+    case = make_case([4], 9, 3, 64, block_size=16)
+    with pytest.raises(RuntimeError, match="must all be float32 or all bfloat16"):
+        run_kernel(case, query=case.query.bfloat16())

@@ -88,7 +88,57 @@ def test_silu_at_extremes() -> None:
                                      1e-5),
     lambda: cpu_kernels.silu_and_mul(torch.zeros(2, 5)),
     lambda: cpu_kernels.silu_and_mul(torch.zeros(2, 4).half()),
-], ids=["float64", "rows", "weight", "3-D", "column-major", "odd-width", "float16"])
+    lambda: cpu_kernels.add_rms_norm(torch.zeros(2, 4).bfloat16(), torch.zeros(2, 4),
+                                     torch.ones(4), 1e-5),
+], ids=["float64", "rows", "weight", "3-D", "column-major", "odd-width", "float16",
+        "mixed-dtypes"])
 def test_bad_inputs_are_refused(call) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError):
         call()
+
+
+# ---- bfloat16: against Hugging Face's own modules run in bfloat16 (the parity oracle) ----
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bfloat16 steps between two bfloat16 tensors of one sign pattern."""
+    bits = [t.view(torch.int16).int() for t in (a, b)]
+    return (bits[0] - bits[1]).abs()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 2048])
+@pytest.mark.parametrize("width", [576, 17])
+def test_bf16_add_rms_norm_is_hugging_face_arithmetic(rows: int, width: int) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, width, generator=gen).bfloat16()
+    residual = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
+    norm = LlamaRMSNorm(width, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(width, generator=gen) + 0.5).bfloat16()
+    expected_residual = residual + x  # bfloat16 addition, as the decoder layer adds
+    with torch.no_grad():
+        expected = norm(expected_residual)
+    out = cpu_kernels.add_rms_norm(x, residual, norm.weight.data, 1e-5)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(residual, expected_residual)
+    # The sum of squares runs in another order than torch's mean: a value on a rounding
+    # boundary may land one bfloat16 step away; nearly all are equal.
+    steps = _bf16_ulps(out, expected)
+    assert int(steps.max()) <= 1
+    assert float((steps == 0).float().mean()) > 0.99
+
+
+@pytest.mark.parametrize("rows", [1, 7, 2048])
+def test_bf16_silu_and_mul_is_hugging_face_arithmetic(rows: int) -> None:
+    from transformers.activations import ACT2FN
+
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = ACT2FN["silu"](gate) * up  # Llama's MLP in bfloat16
+    out = cpu_kernels.silu_and_mul(gate_up)
+    assert out.dtype == torch.bfloat16
+    steps = _bf16_ulps(out, expected)
+    assert int(steps.max()) <= 1  # exp's polynomial vs torch's: a boundary case may differ
+    assert float((steps == 0).float().mean()) > 0.99

@@ -135,11 +135,19 @@ def test_every_kernel_accepts_a_3d_input(kernel: Gemm) -> None:
 # ---- choosing the backend ----
 
 
-def test_auto_never_packs_off_cpu_or_off_float32() -> None:
+def test_auto_is_plain_off_cpu_and_in_float16() -> None:
     assert resolve_linear_backend("auto", torch.device("cuda"), torch.float32) == "plain"
-    assert resolve_linear_backend("auto", CPU, torch.bfloat16) == "plain"
+    assert resolve_linear_backend("auto", torch.device("cuda"), torch.bfloat16) == "plain"
     assert resolve_linear_backend("auto", CPU, torch.float16) == "plain"
     assert resolve_linear_backend("plain", CPU, torch.float32) == "plain"
+
+
+@needs_kernels
+def test_auto_in_bf16_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = cpu_kernels.bf16_native()
+    assert resolve_linear_backend("auto", CPU, torch.bfloat16) == ("auto" if native else "plain")
+    monkeypatch.setenv(cpu_kernels.FORCE_BF16_FALLBACK_ENV, "1")
+    assert resolve_linear_backend("auto", CPU, torch.bfloat16) == "plain"
 
 
 def test_forced_packed_off_cpu_is_a_clear_error() -> None:
@@ -299,6 +307,24 @@ def test_panel_kernel_matches_float64(rows: int, shape: tuple[int, int],
     out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight), bias, shape[0])
     torch.testing.assert_close(out.double(), _f64_linear(x, weight, bias), rtol=1e-5,
                                atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 64])
+@pytest.mark.parametrize("shape", [(100, 32), (16, 7), (960, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_panel_kernel_rounds_the_float64_product_once(rows: int, shape: tuple[int, int],
+                                                           with_bias: bool) -> None:
+    # bfloat16 weights, x and bias, multiplied and summed in float32, rounded once: within a
+    # bfloat16 rounding (2^-9 relative) of the exact product of the same bfloat16 values.
+    gen = torch.Generator().manual_seed(rows * 5 + shape[0])
+    weight = torch.randn(*shape, generator=gen).bfloat16()
+    bias = torch.randn(shape[0], generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, shape[1], generator=gen).bfloat16()
+    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight), bias, shape[0])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _f64_linear(x, weight, bias), rtol=2**-8,
+                               atol=1e-3)
 
 
 @needs_kernels
