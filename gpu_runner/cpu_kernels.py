@@ -5,8 +5,9 @@ linear layers, and the decoder layer's fused elementwise steps; float32 or bfloa
   into padded tensors and runs SDPA over them; on CPU the gather, the padding and SDPA (poor at
   a few query rows per KV head) dominate a decode step and a good part of a prefill. The kernel
   walks each sequence's block table instead, for decodes, fresh prompts and continued chunks.
-- add_rms_norm and silu_and_mul (csrc/elementwise.cpp): one pass over the activations where
-  torch makes five (the residual add and RMSNorm) or two (silu, then the product).
+- add_rms_norm, silu_and_mul and rotate_half (csrc/elementwise.cpp): one pass over the
+  activations where torch makes five (the residual add and RMSNorm), two (silu, then the
+  product) or six (the rotary embedding in rotate-half layout).
 - pack_panels and panel_linear (csrc/panel_linear.cpp): linear layers for few rows (decode),
   streaming the weights from memory while computing, where MKL leaves the memory idle.
 
@@ -226,8 +227,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _require().silu_and_mul(gate_up)  # type: ignore[no-any-return]
 
 
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, dim] (dim contiguous) -> a new x * cos + rotate_half(x) * sin, with
+    cos and sin [tokens, dim / 2] (any shape of that many values, contiguous)."""
+    return _require().rotate_half(x, cos, sin)  # type: ignore[no-any-return]
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> the panel layout panel_linear reads: [ceil(N / 16), K, 16]."""
+    """weight [N, K] -> the panel layout panel_linear reads: [ceil(N / 16), K, 16], or in
+    bfloat16 on a CPU with AVX512_BF16 pairs of k, [ceil(N / 16), ceil(K / 2), 32]."""
     return _require().pack_panels(weight)  # type: ignore[no-any-return]
 
 

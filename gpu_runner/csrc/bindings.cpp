@@ -16,7 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up (float32, CPU)",
         py::arg("gate_up"));
-  m.def("pack_panels", &pack_panels, "weight [N, K] -> panels [ceil(N / 16), K, 16]",
+  m.def("rotate_half", &rotate_half,
+        "x * cos + rotate_half(x) * sin for x [tokens, heads, dim] (float32 or bfloat16, CPU)",
+        py::arg("x"), py::arg("cos"), py::arg("sin"));
+  m.def("pack_panels", &pack_panels, "weight [N, K] -> its panels (see panel_linear.h)",
         py::arg("weight"));
   m.def("panel_linear", &panel_linear,
         "x [M, K] @ weight^T (+ bias) from the weight's panels (float32 or bfloat16, CPU, few "

@@ -1,6 +1,7 @@
 // Fused elementwise kernels for the CPU decoder layer (float32 or bfloat16), each one pass
-// over memory where torch takes several: on 2 cores a prefill chunk's [2048, 576] activations pass
-// through RMSNorm's pow, mean, rsqrt and two muls plus the residual add, and the MLP's
+// over memory where torch takes several: on 2 cores a prefill chunk's [2048, 576]
+// activations pass through RMSNorm's pow, mean, rsqrt and two muls plus the residual add,
+// the rotary embedding's four multiplies and two adds, and the MLP's
 // [2048, 1536] gate through silu and a mul, each a full read and write.
 // Plain loops over fixed-width lanes that the compiler vectorises (-O3 -march=native); no
 // -ffast-math, so the arithmetic is IEEE float32 in a fixed order. In bfloat16 every value is
@@ -142,6 +143,61 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   } else {
     silu_and_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), rows,
                       width);
+  }
+  return out;
+}
+
+namespace {
+
+// Each product rounded on its own, as torch's separate multiplies and add round them: no
+// fused multiply-add (which -O3 -march=native may otherwise contract a*b - c*d into).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void rotate_half_rows(const T* xs, int64_t token_stride, int64_t head_stride, const T* cos,
+                      const T* sin, T* os, int64_t tokens, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * half;
+      const T* s = sin + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* x = xs + t * token_stride + h * head_stride;
+        T* o = os + (t * heads + h) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float first = static_cast<float>(x[i]), second = static_cast<float>(x[i + half]);
+          const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+          o[i] = static_cast<T>(rounded<T>(first * ci) - rounded<T>(second * si));
+          o[i + half] = static_cast<T>(rounded<T>(second * ci) + rounded<T>(first * si));
+        }
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
+}  // namespace
+
+at::Tensor rotate_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::ScalarType type = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && (type == at::kFloat || type == at::kBFloat16) &&
+                  x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotate_half: x must be a float32 or bfloat16 CPU tensor [tokens, heads, dim] "
+              "with an even, contiguous dim, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == type && t->is_contiguous() &&
+                    t->numel() == tokens * (dim / 2),
+                "rotate_half: cos and sin must be contiguous [tokens, dim / 2] in x's dtype");
+  }
+  at::Tensor out = at::empty({tokens, heads, dim}, x.options());
+  if (type == at::kBFloat16) {
+    rotate_half_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1),
+                     cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
+                     out.data_ptr<c10::BFloat16>(), tokens, heads, dim);
+  } else {
+    rotate_half_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), cos.data_ptr<float>(),
+                     sin.data_ptr<float>(), out.data_ptr<float>(), tokens, heads, dim);
   }
   return out;
 }

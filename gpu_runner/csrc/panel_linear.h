@@ -4,7 +4,8 @@
 
 #include <torch/extension.h>
 
-// weight [N, K] -> panels [ceil(N / 16), K, 16]: panels[p][k][i] = weight[16 p + i][k].
+// weight [N, K] -> panels [ceil(N / 16), K, 16]: panels[p][k][i] = weight[16 p + i][k]; in
+// bfloat16 with AVX512_BF16, pairs of k: [ceil(N / 16), ceil(K / 2), 32].
 at::Tensor pack_panels(const at::Tensor& weight);
 
 // x [M, K] (contiguous) @ weight^T (+ bias) -> [M, out_features], weight given as its panels.

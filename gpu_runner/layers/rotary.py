@@ -10,7 +10,8 @@ Two layouts of a head's dimensions, the same rotation:
   is one complex multiply instead of six real operations. The model reorders its q/k
   projection rows into this layout once after loading (`LlamaForCausalLM.interleave_rotary`);
   q.k is unchanged because q and k are permuted alike. float32 only (torch has no bfloat16
-  complex type), so other dtypes keep rotate-half.
+  complex type), so other dtypes keep rotate-half: on the CPU one C++ pass
+  (cpu_kernels.rotate_half) with Hugging Face's roundings.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gpu_runner import cpu_kernels
 from gpu_runner.config import RopeScaling
 
 
@@ -93,6 +95,8 @@ class Rotation:
             pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
             return torch.view_as_real(pairs * self.turns).flatten(-2)
         assert self.cos is not None and self.sin is not None
+        if cpu_kernels.supports(x, self.cos, self.sin) and cpu_kernels.available():
+            return cpu_kernels.rotate_half(x, self.cos, self.sin)
         return apply_rotary(x, self.cos, self.sin)
 
 

@@ -142,3 +142,25 @@ def test_bf16_silu_and_mul_is_hugging_face_arithmetic(rows: int) -> None:
     steps = _bf16_ulps(out, expected)
     assert int(steps.max()) <= 1  # exp's polynomial vs torch's: a boundary case may differ
     assert float((steps == 0).float().mean()) > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rotate_half_is_hugging_face_arithmetic(dtype: torch.dtype, tokens: int) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim = 9, 3, 64
+    # q and k side by side in a fused projection's output, as the decoder passes them.
+    fused = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qk = fused[:, : heads + kv_heads]
+    out = cpu_kernels.rotate_half(qk, cos, sin)
+    assert out.is_contiguous() and out.dtype == dtype
+    # transformers' layout: [batch, heads, tokens, dim] with full-width cos/sin.
+    full_cos, full_sin = torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]
+    q, k = (part.transpose(0, 1)[None] for part in (qk[:, :heads], qk[:, heads:]))
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, full_cos, full_sin)
+    assert torch.equal(out[:, :heads], expected_q[0].transpose(0, 1))
+    assert torch.equal(out[:, heads:], expected_k[0].transpose(0, 1))
