@@ -2,7 +2,8 @@
 CPU GEMM dispatch that picks, per call, the kernel for the call's row count.
 
 The kernels (`Gemm`), CPU float32:
-- PLAIN: `F.linear`, MKL sgemm, which re-packs the weight into its own layout on every call.
+- PLAIN: `F.linear`, MKL sgemm, which re-packs the weight into its own layout on every call
+  (in bfloat16, oneDNN's GEMM at padded row counts: `onednn_rows`).
 - MKL_PACKED: MKL sgemm on a weight packed once at load (`_mkl_reorder_linear_weight`): with few
   rows the per-call packing is most of PLAIN's time. A copy of the weight.
 - PANELS: the C++ panel kernel (gpu_runner/cpu_kernels.py, csrc/panel_linear.cpp), which streams
@@ -147,7 +148,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             return cpu_kernels.panel_linear(x, packed.panels, bias, weight.shape[0])
         if kernel is Gemm.MKL_PACKED and packed.packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed.packed, weight, bias, rows)
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a CPU bfloat16 product runs at: `rows` rounded up to a step. oneDNN
+    (torch's bfloat16 GEMM on the CPU) builds a primitive for every new row count, ~0.5 MB
+    each for these shapes and 2-15 ms to build here, and keeps up to 1024 of them: a server
+    sees a new row count most steps. With the steps below a shape has at most 59 (16 exact,
+    15 of 16 rows, 28 of 64), and a padded row costs at most 1/2 of the work from 17 rows,
+    1/4 from 257."""
+    if rows <= 16:
+        return rows
+    step = 16 if rows <= 256 else 64
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """F.linear at onednn_rows: x padded with zero rows, and the padding's outputs dropped."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    padded_rows = onednn_rows(rows)
+    if padded_rows == rows:
+        return F.linear(x, weight, bias)
+    padded = x.new_zeros(padded_rows, x.shape[-1])
+    padded[:rows] = x.reshape(rows, x.shape[-1])
+    out = F.linear(padded, weight, bias)[:rows]
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Module):
@@ -226,7 +255,7 @@ def candidate_kernels(weight: torch.Tensor, bias: torch.Tensor | None,
                       panels: torch.Tensor | None) -> dict[Gemm, GemmRun]:
     """The kernels a shape's tuning compares (MKL's layout, where MKL serves the dtype, made
     here for the measurement)."""
-    candidates: dict[Gemm, GemmRun] = {Gemm.PLAIN: lambda x: F.linear(x, weight, bias)}
+    candidates: dict[Gemm, GemmRun] = {Gemm.PLAIN: lambda x: linear(x, weight, bias, None)}
     if packing_supported(weight.device, weight.dtype):
         mkl_packed = pack_weight(weight)
         candidates[Gemm.MKL_PACKED] = lambda x: torch.ops.mkl._mkl_linear(

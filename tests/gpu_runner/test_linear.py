@@ -447,3 +447,30 @@ def test_interleaved_rotation_equals_rotate_half_reordered() -> None:
     torch.testing.assert_close(interleaved.double(), expected[..., order], rtol=0, atol=1e-6)
     half = Rotation(cos=cos, sin=sin, turns=None).apply(x)
     torch.testing.assert_close(half.double(), expected, rtol=0, atol=1e-6)
+
+
+# ---- bfloat16 through oneDNN: row counts padded to a few primitives ----
+
+
+@pytest.mark.parametrize(("rows", "padded"), [
+    (1, 1), (16, 16), (17, 32), (32, 32), (33, 48), (256, 256), (257, 320), (2048, 2048),
+    (2049, 2112)])
+def test_onednn_rows_round_up_to_their_step(rows: int, padded: int) -> None:
+    assert linear_module.onednn_rows(rows) == padded
+
+
+def test_onednn_rows_bound_the_primitives_of_a_shape() -> None:
+    assert len({linear_module.onednn_rows(rows) for rows in range(1, 2049)}) == 59
+
+
+@pytest.mark.parametrize("rows", [3, 17, 40, 300])
+def test_bf16_plain_linear_pads_rows_without_changing_them(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(2, rows, 40, generator=gen).bfloat16()
+    out = linear(x, weight, bias, None)
+    assert out.shape == (2, rows, 96) and out.dtype == torch.bfloat16
+    # Each output row depends on its own input row only: padding leaves the real rows as an
+    # unpadded product makes them (oneDNN's blocking may differ by a rounding).
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=2**-7, atol=2**-7)
