@@ -8,14 +8,21 @@
 
 Like with like: both sides compute logits only where a token is sampled (transformers'
 decode forward has one position per sequence; its prefill uses logits_to_keep=1), both run
-float32 on the same threads, and both are timed alternately in the same process (median of
+the same dtype on the same threads, and both are timed alternately in the same process (median of
 the steps) so that both see the same machine load. Our side includes validation, batch
 building and greedy sampling; theirs only the forward and an argmax. `--linear-backend`
 (default auto: MKL-packed weights for the row counts where they measured faster at start)
-is printed in the header; `--linear-backend plain` measures without them.
+is printed in the header; `--linear-backend plain` measures without them. `--dtype` (float32
+or bfloat16) is the dtype of both sides: weights, activations and KV cache.
+
+After the table, the roofline (bench/roofline.py): the machine's GEMM peak for the dtype and
+its memory bandwidth are measured once at start, and pagewire's batch-1 decode step (which
+reads every weight for one token: bandwidth-bound) and its prefill (compute-bound) are each
+put against them: achieved GB/s and GFLOP/s, and the fraction of the roofline bound reached.
 
 Default model (SmolLM2-135M-Instruct), float32, CPU. Usage: .venv/bin/python bench/runner.py
 [--batches 1 8 32 64] [--context 256] [--steps 7] [--model PATH] [--linear-backend auto]
+[--dtype float32]
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import roofline
 from common.model_store import resolve_model
 from gpu_runner.batch import ExecuteBatch
+from gpu_runner.config import ModelConfig, load_model_config
 from gpu_runner.kv_cache import bytes_per_block
 from gpu_runner.layers.linear import LINEAR_BACKENDS
 from gpu_runner.runner import ModelRunner, RunnerOptions
@@ -193,25 +202,29 @@ def main() -> int:
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--prefill-repeats", type=int, default=3)
     parser.add_argument("--linear-backend", default="auto", choices=list(LINEAR_BACKENDS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="of both sides' weights, activations and KV cache")
     args = parser.parse_args()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     folder = resolve_model(args.model)
+    dtype = roofline.dtype_of(args.dtype)
 
     from transformers import AutoModelForCausalLM
 
-    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
                                                   attn_implementation="sdpa").eval()
     max_batch = max(max(args.batches), args.prefill_prompts)
     max_len = max(args.context + args.steps + 2, args.prefill_len)
     blocks = max_batch * -(-max_len // BLOCK_SIZE)
-    from gpu_runner.config import load_model_config
-
     config = load_model_config(folder)
-    cache_bytes = blocks * bytes_per_block(config, BLOCK_SIZE, torch.float32)
+    # Measured before the runner is built and anything is timed (transformers' model sits idle).
+    peaks = roofline.measure_peaks(config, [dtype], threads)
+    cache_bytes = blocks * bytes_per_block(config, BLOCK_SIZE, dtype)
     ours = ModelRunner(RunnerOptions(model=str(folder), block_size=BLOCK_SIZE,
                                      kv_cache_memory=cache_bytes, max_model_len=max_len,
-                                     num_threads=threads, linear_backend=args.linear_backend))
+                                     num_threads=threads, linear_backend=args.linear_backend,
+                                     dtype=args.dtype))
     rows = []
     for batch in args.batches:
         ours_ms, theirs_ms = interleaved_ms(
@@ -224,15 +237,48 @@ def main() -> int:
         theirs_prefill(theirs, args.prefill_prompts, args.prefill_len), args.prefill_repeats)
     rows.append(Row(f"prefill {args.prefill_prompts}x{args.prefill_len}",
                     tokens / ours_ms * 1e3, tokens / theirs_ms * 1e3, "tok/s"))
-    print_table(rows, folder.name, threads, ours.linear_backend)
+    print_table(rows, folder.name, args.dtype, threads, ours.linear_backend)
     for shape, policy in ours.linear_policies.items():
         print(f"  kernels for {shape.out_features}x{shape.in_features}: "
               f"{policy.describe()}")
+    print_roofline(config, peaks, dtype, rows, args)
     return 0
 
 
-def print_table(rows: list[Row], model: str, threads: int, linear_backend: str) -> None:
-    print(f"\nrunner benchmark: {model}, float32, CPU, {threads} threads, "
+def shape_batch(starts: list[int], lengths: list[int]) -> ExecuteBatch:
+    """A batch of these shapes (token ids and blocks do not matter: counting only)."""
+    longest = max(s + n for s, n in zip(starts, lengths, strict=True))
+    per_seq = -(-longest // BLOCK_SIZE)
+    tables = np.arange(len(lengths) * per_seq).reshape(len(lengths), per_seq)
+    return batch_for(np.zeros((len(lengths), longest), np.int64), np.array(starts),
+                     np.array(lengths), tables)
+
+
+def print_roofline(config: ModelConfig, peaks: roofline.MachinePeaks, dtype: torch.dtype,
+                   rows: list[Row], args: argparse.Namespace) -> None:
+    """pagewire's batch-1 decode against the bandwidth bound, its prefill against the GEMM
+    peak (the roofline takes the larger bound of each; see bench/roofline.py)."""
+    print("\nroofline (bench/roofline.py), the machine:")
+    for text in peaks.describe():
+        print(f"  {text}")
+    print("pagewire against it:")
+    decode_1 = f"decode batch {1:>2} ctx {args.context}"
+    for row in rows:
+        if row.shape == decode_1:
+            work = roofline.forward_work(config, shape_batch([args.context], [1]), dtype)
+            line = roofline.roofline([work], row.ours / 1e3, peaks, dtype)
+            print(f"  decode batch 1: {line.describe()}")
+        elif row.unit == "tok/s":
+            work = roofline.forward_work(config, shape_batch(
+                [0] * args.prefill_prompts, [args.prefill_len] * args.prefill_prompts), dtype)
+            seconds = args.prefill_prompts * args.prefill_len / row.ours
+            line = roofline.roofline([work], seconds, peaks, dtype)
+            print(f"  {row.shape}: {line.describe()}")
+
+
+def print_table(rows: list[Row], model: str, dtype: str, threads: int,
+                linear_backend: str) -> None:
+    print(f"\nrunner benchmark: {model}, {dtype}, CPU, {threads} threads, "
           f"torch {torch.__version__}, linear backend {linear_backend}")
     print(f"{'shape':<28}{'pagewire':>12}{'transformers':>14}{'ratio':>8}  target")
     for row in rows:

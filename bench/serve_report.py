@@ -6,17 +6,39 @@ from pathlib import Path
 from typing import Any
 
 from bench import step_profile, w4
+from bench.roofline import MachinePeaks, Roofline
 from bench.w1 import Ratio, per_round_ratio
 
 P99_TTFT_TARGET_S = 2.0
 PAGEWIRE = "pagewire"
 STREAMED = "pagewire streamed"
 CEILING = "ceiling"
+# The dtype with every row (pagewire streamed, transformers continuous) and W2, W3 and W4; the
+# other dtypes of --dtypes get W1's other rows (serve_bench's docstring says why).
+FULL_DTYPE = "float32"
+# What the two ways of the roofline are called in the results.
+ROOFLINE_WAYS = {"ceiling": "ceiling (the runner replaying the offline run's batches)",
+                 "pagewire": "pagewire offline, end to end (the same batches)"}
 _ROW_LABELS = {
     PAGEWIRE: "**pagewire** (3 services, gRPC), offline: each request `final_only`",
     STREAMED: "pagewire streamed: a message per step per request",
     CEILING: "ceiling (runner alone, same batches)",
 }
+
+
+def row_name(name: str, dtype: str) -> str:
+    """A W1 row's name in its dtype: the full dtype's rows keep their plain names."""
+    return name if dtype == FULL_DTYPE else f"{name} {dtype}"
+
+
+def _dtype(row: dict[str, Any]) -> str:
+    return str(row.get("dtype", FULL_DTYPE))
+
+
+def _label(name: str, dtype: str) -> str:
+    base = name.removesuffix(f" {dtype}") if dtype != FULL_DTYPE else name
+    label = _ROW_LABELS.get(base, base)
+    return label if dtype == FULL_DTYPE else f"{label}, {dtype}"
 
 
 def _ratio_text(ratio: Ratio | None, rounds: int) -> str:
@@ -40,36 +62,85 @@ def ratio_against(results: dict[str, Any], numerator: str, name: str) -> Ratio |
                            rows[name]["round_tokens_per_s"])
 
 
+def _dtypes(rows: dict[str, dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(_dtype(row) for row in rows.values()))
+
+
 def _w1_table(results: dict[str, Any]) -> list[str]:
     w1 = results.get("w1")
     if not w1:
         return []
-    rows, rounds = _rows(results), w1["rounds"]
-    lines = [f"| W1 offline throughput (32 requests, {rounds} rounds) | output tok/s | "
-             "tok/s per round | pagewire ÷ row: median of rounds (min–max) | verified tokens |",
-             "|---|---:|---|---:|---:|"]
+    rows = _rows(results)
+    lines: list[str] = []
+    for dtype in _dtypes(rows):
+        lines += _w1_dtype_table(results, dtype, _rounds(w1, dtype))
+    pagewire_ratios = [
+        f"pagewire {dtype} ÷ pagewire {FULL_DTYPE}, median of rounds (min–max): "
+        f"{_ratio_text(ratio, _rounds(w1, dtype))}" for dtype in _dtypes(rows)
+        if dtype != FULL_DTYPE
+        and (ratio := ratio_against(results, row_name(PAGEWIRE, dtype), PAGEWIRE))]
+    if pagewire_ratios:
+        lines += ["", "Across dtypes (round i has the same prompts in every dtype): "
+                  + "; ".join(pagewire_ratios) + "."]
+    return lines + _roofline_lines(results) + _treatment_table(w1, rows)
+
+
+def _rounds(w1: dict[str, Any], dtype: str) -> int:
+    """W1's rounds in `dtype` (serve_bench runs fewer in the dtypes other than the full one)."""
+    return int(w1.get("rounds_by_dtype", {}).get(dtype, w1["rounds"]))
+
+
+def _w1_dtype_table(results: dict[str, Any], dtype: str, rounds: int) -> list[str]:
+    """The rows of one dtype, each against pagewire of that dtype."""
+    pagewire, streamed = row_name(PAGEWIRE, dtype), row_name(STREAMED, dtype)
+    rows = {name: row for name, row in _rows(results).items() if _dtype(row) == dtype}
+    lines = ["", f"| W1 offline throughput, {dtype} (32 requests, {rounds} rounds) | "
+             "output tok/s | tok/s per round | pagewire ÷ row: median of rounds (min–max) | "
+             "verified tokens |", "|---|---:|---|---:|---:|"]
     for name, row in rows.items():
-        label = _ROW_LABELS.get(name, name)
+        label = _label(name, dtype)
         if row["tokens_per_s"] is None or row["status"]:
             lines.append(f"| {label} | {row['status'] or '—'} | | | |")
             continue
-        ratio = "1.00" if name == PAGEWIRE else _ratio_text(
-            ratio_against(results, PAGEWIRE, name), rounds)
-        if name == CEILING:
+        ratio = "1.00" if name == pagewire else _ratio_text(
+            ratio_against(results, pagewire, name), rounds)
+        if name == row_name(CEILING, dtype):
             ratio += " (efficiency)"
         rates = ", ".join(f"{rate:.1f}" for rate in row["round_tokens_per_s"])
         lines.append(f"| {label} | {row['tokens_per_s']:.1f} | {rates} | {ratio} | "
                      f"{row['verified_tokens']} |")
-    shown = [f"{name} {_ratio_text(ratio_against(results, STREAMED, name), rounds)}"
-             for name in rows if name not in (PAGEWIRE, STREAMED)
-             and ratio_against(results, STREAMED, name)]
+    shown = [f"{name} {_ratio_text(ratio_against(results, streamed, name), rounds)}"
+             for name in rows if name not in (pagewire, streamed)
+             and ratio_against(results, streamed, name)]
     if shown:
         lines += ["", f"pagewire streamed ÷ row, median of rounds (min–max): {', '.join(shown)}."]
-    return lines + _treatment_table(w1, rows)
+    return lines
+
+
+def _roofline_lines(results: dict[str, Any]) -> list[str]:
+    """The machine's peaks and W1's forwards against them (bench/roofline.py)."""
+    measured = results.get("roofline")
+    if not measured or "peaks" not in measured:
+        return []
+    peaks = MachinePeaks.from_dict(measured["peaks"])
+    lines = ["", "Roofline (bench/roofline.py): the machine's limits, measured at the start "
+             "of the bench: " + "; ".join(peaks.describe()) + ". W1's offline runs against "
+             "them: each recorded forward's FLOPs and bytes (weights, KV cache) counted from "
+             "its shapes, its bound the larger of FLOPs ÷ GEMM peak and bytes ÷ bandwidth, "
+             "summed over every round; the fraction is that bound ÷ the measured time:", ""]
+    for ways in measured.get("dtypes", {}).values():
+        for way, text in ROOFLINE_WAYS.items():
+            if way in ways:
+                lines.append(f"- {text}, {Roofline.from_dict(ways[way]).describe()}")
+    return lines
 
 
 def _treatment_table(w1: dict[str, Any], rows: dict[str, dict[str, Any]]) -> list[str]:
-    orders = "; ".join(", ".join(order) for order in w1.get("orders", []))
+    by_dtype = w1.get("orders", {})
+    if isinstance(by_dtype, list):  # results written before --dtypes: float32's alone
+        by_dtype = {FULL_DTYPE: by_dtype}
+    orders = " — ".join(f"{dtype}: " + "; ".join(", ".join(order) for order in by_round)
+                        for dtype, by_round in by_dtype.items())
     lines = ["", f"Every row alike: W1's prompts differ per round (seeds {w1['seeds']}) and are "
              "the same for every engine within a round; each row's output tokens are counted "
              "on the client, request by request, and must equal what was asked (the ceiling "
@@ -116,7 +187,9 @@ def _w3_table(w3: dict[str, Any]) -> list[str]:
 
 
 def _settings_notes(results: dict[str, Any]) -> list[str]:
-    lines = ["", "Settings: 2 CPU threads for every engine (pagewire's runner and transformers: "
+    lines = ["", "Settings: each row's dtype is its table's (pagewire's runner: `--dtype`, "
+             "transformers: `dtype`, vLLM: `LLM(dtype=...)`); "
+             "2 CPU threads for every engine (pagewire's runner and transformers: "
              "torch's default, one per core; vLLM: its worker bound to both cores with "
              "VLLM_CPU_OMP_THREADS_BIND, 2 GiB KV cache with VLLM_CPU_KVCACHE_SPACE). "
              "Each peer runs in its own process, kept for all rounds, with a time limit per run."]
@@ -157,7 +230,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     names, values = [name for name, _ in bars][::-1], [value for _, value in bars][::-1]
     figure, axis = plt.subplots(figsize=(8, 4))
     axis.barh(names, values, color="#3b7dd8")
-    axis.set_xlabel("output tokens/s (W1, SmolLM2-135M, float32, 2-core CPU)")
+    axis.set_xlabel("output tokens/s (W1, SmolLM2-135M, 2-core CPU)")
     for y, value in enumerate(values):
         axis.text(value, y, f" {value:.0f}", va="center")
     figure.tight_layout()

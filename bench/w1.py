@@ -17,6 +17,10 @@ each peer):
   the bench instead of looking fast.
 - **Ratios**: per round (pagewire ÷ row in that round); the headline is their median with
   the min–max beside it.
+- **Dtypes**: W1 runs once per dtype (serve_bench --dtypes), every row of a dtype under the
+  rules above (a dtype other than float32 with its first rounds alone: --other-dtype-rounds);
+  ratios compare rows of one dtype, except pagewire ÷ pagewire across dtypes, which pairs the
+  rounds by index (round i has the same prompts in every dtype).
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class W1Row:
     round_tokens: list[int] = field(default_factory=list)  # verified, request by request
     settings: dict[str, Any] = field(default_factory=dict)
     status: str = ""  # why the row stopped measuring; empty while it measures
+    dtype: str = "float32"  # of the model's weights, activations and KV cache
 
     def settle(self) -> None:
         self.settle_waits_s.append(wait_until_quiet())
@@ -141,7 +146,8 @@ class W1Row:
         return sum(self.round_tokens) / seconds if seconds else None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "tokens_per_s": self.tokens_per_s,
+        return {"name": self.name, "dtype": self.dtype, "status": self.status,
+                "tokens_per_s": self.tokens_per_s,
                 "round_tokens_per_s": self.round_rates, "round_seconds": self.round_seconds,
                 "verified_tokens": sum(self.round_tokens), "rounds": len(self.round_rates),
                 "processes_started": self.processes_started, "warm_up": self.warm_up,

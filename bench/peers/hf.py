@@ -2,8 +2,9 @@
 
 Run by serve_bench in a child process that lives for the whole benchmark (see
 bench/peers/protocol.py):
-    .venv/bin/python bench/peers/hf.py {static,continuous} MODEL_DIR   (run commands on stdin)
-Both run greedy, float32, on the CPU with torch's default thread count (every core, as
+    .venv/bin/python bench/peers/hf.py {static,continuous} [--dtype D] MODEL_DIR  (then stdin)
+Both run greedy, in the dtype asked for (float32 by default, or bfloat16: `torch_dtype` of the
+weights, activations and cache), on the CPU with torch's default thread count (every core, as
 pagewire's runner), EOS ignored, over the same token-id prompts and output lengths as
 pagewire. Each request's tokens are counted from what transformers returned for it; static
 batching decodes every row to the longest output, so a row is credited at most the tokens its
@@ -35,7 +36,7 @@ if str(ROOT) not in sys.path:
 from bench.peers.protocol import (  # noqa: E402
     PeerRequest,
     RunResult,
-    model_dir_arg,
+    peer_args,
     report_progress,
     serve,
 )
@@ -46,13 +47,13 @@ MAX_BATCH_TOKENS = 2048
 MAX_REQUESTS_PER_BATCH = 256
 
 
-def _load(model_dir: str):  # -> PreTrainedModel
+def _load(model_dir: str, dtype: str):  # -> PreTrainedModel
     from transformers import AutoModelForCausalLM
 
     # SDPA for both: continuous batching runs it over its paged cache (the old `paged|sdpa`
     # name is deprecated and means the same).
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
     )
     return model.eval()
 
@@ -90,7 +91,7 @@ def static_batching(model: Any, requests: list[PeerRequest]) -> RunResult:
                            f"asked for {longest}")
     report_progress(len(requests))
     settings = {"torch_threads": torch.get_num_threads(), "batch_size": len(requests),
-                "attn_implementation": "sdpa"}
+                "attn_implementation": "sdpa", "dtype": str(model.dtype).removeprefix("torch.")}
     return RunResult(seconds, generated_counts(output_ids.tolist(), width, pad, requests),
                      settings)
 
@@ -160,6 +161,7 @@ class ContinuousBatching:
         self._manager.start()
         self._settings = {
             "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa (paged)",
+            "dtype": str(self._model.dtype).removeprefix("torch."),
             "page_size": config.page_size, "num_blocks": config.num_blocks,
             "max_batch_tokens": config.max_batch_tokens,
             "max_requests_per_batch": config.max_requests_per_batch}
@@ -181,8 +183,10 @@ class ContinuousBatching:
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     if mode not in ("static", "continuous"):
-        raise SystemExit("usage: hf.py {static,continuous} MODEL_DIR (run commands on stdin)")
-    model = _load(model_dir_arg(sys.argv[2:]))
+        raise SystemExit("usage: hf.py {static,continuous} [--dtype D] MODEL_DIR "
+                         "(run commands on stdin)")
+    args = peer_args(sys.argv[2:])
+    model = _load(args.model_dir, args.dtype)
     if mode == "static":
         serve(lambda requests: static_batching(model, requests))
         return

@@ -1,11 +1,13 @@
 """How serve_bench talks to a peer it runs in a child process (standard library only, because
 the vLLM peer imports it from its own virtual environment).
 
-    PEER_SCRIPT MODEL_DIR
-The peer loads its model once and then serves runs for as long as serve_bench keeps it, as
-pagewire's services stay up across the rounds of a benchmark: every engine keeps one process
-for its warm-up and all its timed rounds. serve_bench writes one line per run on the peer's
-stdin, {"workload": PATH, "result": PATH}, and closes stdin when it is done with the peer.
+    PEER_SCRIPT [--dtype DTYPE] MODEL_DIR
+The peer loads its model once, in DTYPE (float32 by default; serve_bench runs W1 once per dtype
+of its --dtypes, each peer in the dtype of the pagewire rows it is compared with), and then
+serves runs for as long as serve_bench keeps it, as pagewire's services stay up across the
+rounds of a benchmark: every engine keeps one process for its warm-up and all its timed rounds.
+serve_bench writes one line per run on the peer's stdin, {"workload": PATH, "result": PATH},
+and closes stdin when it is done with the peer.
 
 A workload is a list of {"prompt_token_ids": [...], "max_tokens": N}. While a run goes, the
 peer prints `progress K` lines on stdout (K requests finished) for the parent's progress bar;
@@ -18,6 +20,7 @@ stdout that is not the protocol's goes to the peer's log too).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS_PREFIX = "progress "
+DTYPES = ("float32", "bfloat16")
 DONE = "done"
 
 
@@ -86,10 +90,28 @@ def parse_progress(line: str) -> int | None:
         return None
 
 
-def model_dir_arg(argv: list[str]) -> str:
-    if len(argv) != 1:
-        raise SystemExit("usage: PEER_SCRIPT MODEL_DIR (then run commands on stdin)")
-    return argv[0]
+@dataclass(frozen=True)
+class PeerArgs:
+    """A peer's command line: the model folder and the dtype to load it in."""
+
+    model_dir: str
+    dtype: str = "float32"
+
+
+def peer_args(argv: list[str]) -> PeerArgs:
+    """Parses `[--dtype DTYPE] MODEL_DIR` (what follows the peer's own leading arguments)."""
+    parser = argparse.ArgumentParser(
+        usage="PEER_SCRIPT [--dtype DTYPE] MODEL_DIR (then run commands on stdin)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("model_dir")
+    args = parser.parse_args(argv)
+    return PeerArgs(args.model_dir, args.dtype)
+
+
+def peer_command(script: list[str], model_dir: str, dtype: str) -> list[str]:
+    """The command line that starts a peer (`script`: its interpreter, file and own leading
+    arguments) for `model_dir` in `dtype`; the inverse of peer_args."""
+    return [*script, "--dtype", dtype, model_dir]
 
 
 def serve(engine: Engine) -> None:

