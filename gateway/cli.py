@@ -17,6 +17,7 @@ from gateway.client import PagewireClient, finish_reason_name
 from gateway.config import ROUTING
 from gateway.launcher import (
     DEFAULT_HTTP_PORT,
+    RUNNER_DTYPES,
     SERVICES_NICE,
     LaunchConfig,
     Launcher,
@@ -80,6 +81,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="bytes of KV cache for the runner")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default=None, choices=RUNNER_DTYPES,
+                        help="the weights' and KV cache's dtype in every runner (default: the "
+                             "runner's, float32 on CPU and bfloat16 on CUDA)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--runners", type=_at_least_one, default=1,
@@ -205,17 +209,23 @@ def chat(args: argparse.Namespace) -> int:
             history.append(("assistant", texts[0] if texts else ""))
 
 
-def serve(args: argparse.Namespace) -> int:
-    setup_logging("pagewire")
-    launcher = Launcher(LaunchConfig(
+def launch_config(args: argparse.Namespace) -> LaunchConfig:
+    """What `pagewire serve` with these arguments starts."""
+    return LaunchConfig(
         model=args.model, host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port, served_model_name=args.served_model_name,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, runners=args.runners, gateways=args.gateways,
         routing=args.routing, log_dir=args.log_dir, journal_dir=args.journal_dir,
         restart=not args.no_restart, services_nice=args.services_nice,
-    ))
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    setup_logging("pagewire")
+    launcher = Launcher(launch_config(args))
     launcher.install_signal_handlers()
     log.info("logs in %s", launcher.log_dir)
     try:

@@ -38,6 +38,9 @@ _MAX_BACKOFF_S = 30.0
 _STABLE_AFTER_S = 60.0  # a child that ran this long starts over at the first backoff
 SERVICES_NICE = 10
 DEFAULT_HTTP_PORT = 8000
+# The runner's --dtype choices (gpu_runner.runner.DTYPES; a test holds the two equal). Named
+# here so that the CLI can check the flag without importing torch.
+RUNNER_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class LaunchConfig:
     block_size: int | None = None
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
+    dtype: str | None = None  # every runner's --dtype (None: the runner's default)
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     runners: int = 1  # runner processes (each its own KV pool)
@@ -218,7 +222,7 @@ class Launcher:
         flags = ["--model", c.model or "default"]
         for name, value in (("--block-size", c.block_size),
                             ("--kv-cache-memory", c.kv_cache_memory),
-                            ("--max-model-len", c.max_model_len)):
+                            ("--max-model-len", c.max_model_len), ("--dtype", c.dtype)):
             if value is not None:
                 flags += [name, str(value)]
         if c.runners > 1 and "--num-threads" not in c.runner_args:

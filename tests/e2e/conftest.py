@@ -49,8 +49,10 @@ class Services:
         self.log_dir = log_dir
         self.processes: list[ServiceProcess] = []
 
-    def start(self, module: str, *args: str) -> ServiceProcess:
-        process = ServiceProcess(module, list(args)).start(self.log_dir)
+    def start(self, module: str, *args: str, env: dict[str, str] | None = None
+              ) -> ServiceProcess:
+        """`python -m <module> <args>`, with `env` added to this process's environment."""
+        process = ServiceProcess(module, list(args), env=env or {}).start(self.log_dir)
         self.processes.append(process)
         return process
 
@@ -63,15 +65,16 @@ class Services:
                           "--max-model-len", str(max_model_len), *args)
 
     def gateway(self, block_service: ServiceProcess, runner: ServiceProcess | None,
-                *args: str) -> GatewayProcess:
+                *args: str, wait: bool = True) -> GatewayProcess:
         """A gateway serving `runner`, or, when None, every runner registered with the block
-        service."""
+        service (`wait=False`: started, not yet waited for; it waits for its runner itself)."""
         metrics_port = free_port()
         runner_flags = ["--runner", runner.address] if runner is not None else []
         process = self.start("gateway", "--block-service", block_service.address,
                              *runner_flags, "--model", "default",
                              "--metrics-port", str(metrics_port), *args)
-        process.wait_serving(180)
+        if wait:
+            process.wait_serving(180)
         return GatewayProcess(process, metrics_port, PagewireClient(process.address))
 
     def stop(self) -> None:

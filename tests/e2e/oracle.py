@@ -11,20 +11,28 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.model_store import resolve_model
+from tests.e2e.close_logprobs import Generation
 
 # Computing a few more tokens than asked lets tests that want fewer share one generation.
 _MIN_NEW_TOKENS = 24
 # (model folder, prompt) -> (tokens generated, max_new_tokens they were generated with)
 _generated: dict[tuple[Path | None, tuple[int, ...]], tuple[list[int], int]] = {}
+# (model folder, dtype, prompt, top k) -> (generation, max_new_tokens it was generated with)
+_with_logprobs: dict[tuple[Path | None, torch.dtype, tuple[int, ...], int],
+                     tuple[Generation, int]] = {}
+
+
+def _model(path: Path | None, dtype: torch.dtype = torch.float32) -> AutoModelForCausalLM:
+    # One key per folder and dtype however they are named: each model is loaded once.
+    return _load(path or resolve_model(None), dtype)
 
 
 @functools.cache
-def _model(path: Path | None) -> AutoModelForCausalLM:
+def _load(path: Path, dtype: torch.dtype) -> AutoModelForCausalLM:
     # One thread: the services under test share the CPU, and torch's thread pool spins
     # badly when oversubscribed (several times slower than a single thread).
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(path or resolve_model(None),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model
 
@@ -51,6 +59,38 @@ def _generate(path: Path | None, prompt_ids: tuple[int, ...],
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
         )
     return [int(t) for t in output[0, len(prompt_ids):]]
+
+
+def greedy_logprobs(prompt_ids: Sequence[int], max_new_tokens: int,
+                    model: Path | None = None, dtype: torch.dtype = torch.bfloat16,
+                    top_k: int = 5) -> Generation:
+    """transformers' greedy generate for one prompt alone with the model in `dtype` (stops
+    after EOS), with the `top_k` most likely (token, log-prob) at each generated position:
+    log_softmax in float32 of the raw logits, before any logits processor."""
+    key = (model, dtype, tuple(prompt_ids), top_k)
+    known = _with_logprobs.get(key)
+    if known is None or known[1] < max_new_tokens:
+        known = (_generate_logprobs(model, dtype, key[2], max_new_tokens, top_k),
+                 max_new_tokens)
+        _with_logprobs[key] = known
+    generation = known[0]
+    return Generation(generation.tokens[:max_new_tokens], generation.top[:max_new_tokens])
+
+
+def _generate_logprobs(path: Path | None, dtype: torch.dtype, prompt_ids: tuple[int, ...],
+                       max_new_tokens: int, top_k: int) -> Generation:
+    with torch.no_grad():
+        output = _model(path, dtype).generate(
+            torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            output_logits=True, return_dict_in_generate=True,
+        )
+    tokens = [int(t) for t in output.sequences[0, len(prompt_ids):]]
+    top = []
+    for logits in output.logits:  # one [1, vocab] per generated token
+        values, ids = torch.log_softmax(logits[0].float(), dim=-1).topk(top_k)
+        top.append([(int(i), float(v)) for i, v in zip(ids, values, strict=True)])
+    return Generation(tokens, top)
 
 
 def generate(prompt_ids: Sequence[int], max_new_tokens: int,
