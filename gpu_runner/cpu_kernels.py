@@ -145,7 +145,7 @@ def _load() -> ModuleType | None:
 
 def available(device: torch.device | str = "cpu") -> bool:
     """True when the kernel can run on `device` (CPU only); builds it on the first call."""
-    if torch.device(device).type != "cpu":
+    if device != "cpu" and torch.device(device).type != "cpu":  # the str test: per-call cost
         return False
     return _load() is not None
 
@@ -158,8 +158,9 @@ def failure_reason() -> str | None:
 def supports(*tensors: torch.Tensor) -> bool:
     """True when the kernels take these tensors: on the CPU, all of one kernel dtype."""
     dtype = tensors[0].dtype
-    return (kernel_dtype(dtype)
-            and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors))
+    if not kernel_dtype(dtype):
+        return False
+    return all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
 
 def bf16_native() -> bool:
@@ -167,8 +168,11 @@ def bf16_native() -> bool:
     return bf16_fallback_reason() is None
 
 
+@functools.cache
 def bf16_fallback_reason() -> str | None:
-    """Why bfloat16 runs on plain torch here (None: it does not)."""
+    """Why bfloat16 runs on plain torch here (None: it does not). Decided once per process,
+    like the CPU's flags (it is asked several times per layer); tests that set the variable
+    clear the cache."""
     if os.environ.get(FORCE_BF16_FALLBACK_ENV, "").strip() not in ("", "0"):
         return f"{FORCE_BF16_FALLBACK_ENV} is set"
     if not _cpu_has_bf16():

@@ -25,10 +25,20 @@ Cost: the panels are +100 % of the weight memory; MKL's layout, for the shapes w
 uses it, up to +100 % more (~+0.5 GB each for SmolLM2-135M in float32).
 
 CPU bfloat16 (where the CPU multiplies bfloat16: `cpu_kernels.kernel_dtype`): PLAIN is
-oneDNN's bfloat16 GEMM (AVX512_BF16 / AMX), several times MKL's float32 rate once there are
-rows enough; PANELS read the bfloat16 weights and widen them to float32 as they stream, so
-few rows stay bound by memory at half float32's bytes. MKL has no bfloat16 packing. The
-panels take BF16_PANEL_ROWS unmeasured (for the reason above); above, the two are measured.
+oneDNN's bfloat16 GEMM (AVX512_BF16 / AMX); PANELS multiply pairs of bfloat16 with VDPBF16PS
+where the kernel is built with AVX512_BF16 (else they widen the weights to float32 as they
+stream), at half float32's bytes. MKL has no bfloat16 packing. As in float32 the panels take
+PANEL_ROWS unmeasured; above, the two are measured. The 120 decoder projections of SmolLM2
+cold, 2 threads, ms per pass (a loop like bench/linear.py's, 2026-12-02, the EPYC VM):
+
+| rows | oneDNN bf16 | panels bf16 | panels float32 |
+|---:|---:|---:|---:|
+| 1 | 16.1 | 6.6 | 11.4 |
+| 8 | 17.4 | 7.9 | 15.5 |
+| 32 | 23.7 | 12.3 | 22.3 |
+| 64 | 48.0 | 24.5 | 41.4 |
+| 256 | 103.7 | 93.6 | 155.5 |
+
 CUDA, float16 and the bfloat16 fallback always use plain `F.linear`.
 """
 
@@ -56,11 +66,7 @@ LINEAR_BACKENDS = ("auto", "packed", "plain")
 # The row counts that go through the panel kernel unmeasured (bench/linear.py: faster than
 # every other kernel here on the EPYC VM, 1.5-3.5x; on the Xeon VM 8-24 % faster than
 # MKL-packed from 4 to 64 rows and 2-10 % slower at 1-2).
-PANEL_ROWS = range(1, 65)
-# In bfloat16 oneDNN's GEMM overtakes the panels much earlier (it multiplies bfloat16 pairs
-# natively; the panels widen to float32 FMAs): measured on the EPYC VM, all 30 layers and the
-# head of SmolLM2-135M cold, the panels are 3.7-19x faster up to 8 rows and oneDNN from ~16.
-BF16_PANEL_ROWS = range(1, 9)
+PANEL_ROWS = range(1, 65)  # both dtypes (bfloat16: the table in the docstring)
 
 # Row counts are rounded up to a power of two; above the last bucket, and at buckets above a
 # shape's measuring budget (TUNE_MAX_MACS), the last measured bucket's kernel is used.
@@ -324,16 +330,13 @@ class PolicyCache:
         if shape not in self._policies:
             self._policies[shape] = tune_policy(
                 weight, candidate_kernels(weight, bias, panels),
-                panel_rows=unmeasured_panel_rows(weight.dtype) if panels is not None else range(0))
+                panel_rows=PANEL_ROWS if panels is not None else range(0))
         return self._policies[shape]
 
 
 POLICIES = PolicyCache()
 
 
-def unmeasured_panel_rows(dtype: torch.dtype) -> range:
-    """The row counts the panels take unmeasured, per dtype."""
-    return BF16_PANEL_ROWS if dtype == torch.bfloat16 else PANEL_ROWS
 
 
 def packable_modules(model: nn.Module) -> Iterator[Linear]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_runner import cpu_kernels
 from gpu_runner.batch import ExecuteBatch
 from gpu_runner.runner import ModelRunner, RunnerOptions
 from tests.helpers.paged_driver import PagedDriver
@@ -84,3 +85,14 @@ def smol_runner(default_model_dir: Path) -> ModelRunner:
 @pytest.fixture(scope="session")
 def smol_oracle(default_model_dir: Path) -> Oracle:
     return load_oracle(default_model_dir)
+
+
+@pytest.fixture
+def forced_bf16_fallback(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A CPU without bfloat16 instructions, as PAGEWIRE_FORCE_BF16_FALLBACK simulates it (the
+    decision is cached per process: cleared before and after)."""
+    monkeypatch.setenv(cpu_kernels.FORCE_BF16_FALLBACK_ENV, "1")
+    cpu_kernels.bf16_fallback_reason.cache_clear()
+    yield
+    monkeypatch.delenv(cpu_kernels.FORCE_BF16_FALLBACK_ENV)
+    cpu_kernels.bf16_fallback_reason.cache_clear()

@@ -298,12 +298,16 @@ def test_mixed_dtypes_are_refused() -> None:
         run_kernel(case, query=case.query.bfloat16())
 
 
-def test_bf16_kernels_follow_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_kernels_take_bf16_on_this_cpu() -> None:
+    bf16 = torch.zeros(2, dtype=torch.bfloat16)
+    assert cpu_kernels.supports(bf16, bf16) == cpu_kernels.bf16_native()
+
+
+@pytest.mark.usefixtures("forced_bf16_fallback")
+def test_bf16_kernels_follow_the_cpu() -> None:
     # On a CPU without bfloat16 instructions (simulated by the variable) bfloat16 stays on
     # plain torch; float32 keeps the kernels either way.
     bf16, f32 = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)
-    assert cpu_kernels.supports(bf16, bf16) == cpu_kernels.bf16_native()
-    monkeypatch.setenv(cpu_kernels.FORCE_BF16_FALLBACK_ENV, "1")
     assert not cpu_kernels.bf16_native()
     assert "PAGEWIRE_FORCE_BF16_FALLBACK is set" in str(cpu_kernels.bf16_fallback_reason())
     assert not cpu_kernels.supports(bf16, bf16)

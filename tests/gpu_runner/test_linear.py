@@ -143,10 +143,13 @@ def test_auto_is_plain_off_cpu_and_in_float16() -> None:
 
 
 @needs_kernels
-def test_auto_in_bf16_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_in_bf16_on_this_cpu() -> None:
     native = cpu_kernels.bf16_native()
     assert resolve_linear_backend("auto", CPU, torch.bfloat16) == ("auto" if native else "plain")
-    monkeypatch.setenv(cpu_kernels.FORCE_BF16_FALLBACK_ENV, "1")
+
+
+@pytest.mark.usefixtures("forced_bf16_fallback")
+def test_auto_in_bf16_without_bf16_instructions_is_plain() -> None:
     assert resolve_linear_backend("auto", CPU, torch.bfloat16) == "plain"
 
 
