@@ -146,11 +146,13 @@ def test_bf16_silu_and_mul_is_hugging_face_arithmetic(rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens", [1, 5, 300])
-def test_rotate_half_is_hugging_face_arithmetic(dtype: torch.dtype, tokens: int) -> None:
+@pytest.mark.parametrize("dim", [64, 40])  # 40: vector steps and a scalar tail
+def test_rotate_half_is_hugging_face_arithmetic(dtype: torch.dtype, tokens: int,
+                                                dim: int) -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     gen = torch.Generator().manual_seed(tokens)
-    heads, kv_heads, dim = 9, 3, 64
+    heads, kv_heads = 9, 3
     # q and k side by side in a fused projection's output, as the decoder passes them.
     fused = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
     angles = torch.rand(tokens, dim // 2, generator=gen) * 100
