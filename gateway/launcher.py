@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -77,10 +78,34 @@ class LaunchConfig:
 INTERNAL_HOST = "127.0.0.1"
 
 
+# Where free_port looks: below the kernel's ephemeral range, whose ports outgoing connections
+# take. A port the kernel hands out for bind(0) lies inside it, and a service binds its port
+# only after its start-up (a runner tunes for ~40 s): in between, a client connection may take
+# it ("Address already in use", seen in serve_bench after W3's connections).
+_PORT_FLOOR = 10_000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free now on `host` that no outgoing connection will take: drawn below the
+    ephemeral range (the kernel's choice where that range leaves no room)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(_PORT_FLOOR, low) if low > _PORT_FLOOR + 1000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free port below {low} on {host}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # unknown: let the kernel choose
 
 
 def exit_reason(code: int) -> str:

@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=env("PAGEWIRE_RUNNER_DEVICE", "cpu"))
     parser.add_argument("--dtype", default=env("PAGEWIRE_RUNNER_DTYPE") or None,
                         choices=["float32", "bfloat16", "float16"],
-                        help="default: float32 on CPU, bfloat16 on CUDA")
+                        help="default: float32 on CPU, bfloat16 on CUDA; bfloat16 on a CPU "
+                             "with avx512_bf16/amx_bf16 runs the fast kernels, elsewhere plain "
+                             "torch (docs/gpu_runner.md)")
     parser.add_argument("--block-size", type=int, default=int(env("PAGEWIRE_RUNNER_BLOCK_SIZE",
                                                                   "16")))
     parser.add_argument("--kv-cache-memory", type=int,

@@ -3,6 +3,7 @@ commands are read, no process is started)."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,17 @@ def test_an_unknown_dtype_is_refused_before_anything_starts(
 
 def test_the_cli_offers_the_runner_s_dtypes() -> None:
     assert set(RUNNER_DTYPES) == set(DTYPES)
+
+
+def test_free_ports_lie_below_the_ephemeral_range() -> None:
+    # A service binds its port only after start-up: a port from the ephemeral range could be
+    # taken meanwhile by an outgoing connection.
+    from gateway import launcher
+
+    low = launcher._ephemeral_low()
+    ports = {launcher.free_port() for _ in range(20)}
+    if low > launcher._PORT_FLOOR + 1000:
+        assert all(launcher._PORT_FLOOR <= port < low for port in ports)
+    for port in ports:  # free: bindable now
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
