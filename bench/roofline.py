@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 from gpu_runner import cpu_kernels  # noqa: E402
 from gpu_runner.batch import ExecuteBatch  # noqa: E402
 from gpu_runner.config import ModelConfig, load_model_config  # noqa: E402
-from gpu_runner.layers.linear import candidate_kernels  # noqa: E402
+from gpu_runner.layers.linear import best_of_interleaved, candidate_kernels  # noqa: E402
 from gpu_runner.recorder import read_recorded  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,20 +169,6 @@ def _computes_the_product(run: Callable[[torch.Tensor], object], x: torch.Tensor
                           atol=tolerance * float(expected.abs().max()))
 
 
-def _best_seconds(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:
-    """Best time of each, measured interleaved so that all see the same machine load (after
-    one run of each: first-call allocations and packing are not the steady state)."""
-    best = [float("inf")] * len(runs)
-    for run in runs:
-        run()
-    for _ in range(repeats):
-        for index, run in enumerate(runs):
-            start = time.perf_counter()
-            run()
-            best[index] = min(best[index], time.perf_counter() - start)
-    return best
-
-
 def gemm_peak(config: ModelConfig, dtype: torch.dtype | str,
               repeats: int = GEMM_REPEATS) -> GemmPeak:
     """The best GFLOP/s over the model's projection shapes and the available kernels that
@@ -198,7 +184,7 @@ def gemm_peak(config: ModelConfig, dtype: torch.dtype | str,
                 x = torch.randn(rows, k, generator=generator).to(dtype)
                 right = {kernel: run for kernel, run in kernels.items()
                          if _computes_the_product(run, x, weight)}
-                seconds = _best_seconds([partial(run, x) for run in right.values()], repeats)
+                seconds = best_of_interleaved([partial(run, x) for run in right.values()], repeats)
                 for kernel, s in zip(right, seconds, strict=True):
                     gflops = 2 * rows * n * k / s / 1e9
                     if gflops > best.gflops:
@@ -213,7 +199,7 @@ def stream_bandwidth(repeats: int = STREAM_REPEATS,
     count = array_bytes // 4
     a, b, c = (torch.ones(count, dtype=torch.float32) for _ in range(3))
     runs = [lambda: a.copy_(b), lambda: torch.add(b, c, alpha=3.0, out=a), lambda: b.sum()]
-    seconds = _best_seconds(runs, repeats)
+    seconds = best_of_interleaved(runs, repeats)
     moved = (2 * array_bytes, 3 * array_bytes, array_bytes)
     copy, triad, read = (m / s / 1e9 for m, s in zip(moved, seconds, strict=True))
     return copy, triad, read

@@ -11,6 +11,7 @@
 #include "elementwise.h"
 
 #include "exp_nonpositive.h"
+#include "lanes.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -22,7 +23,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using namespace pagewire::lanes;
 // Rows per parallel chunk: ~64 KB of activations, enough to pay for waking a thread.
 constexpr int64_t kMinFloatsPerChunk = 16384;
 
@@ -190,27 +191,8 @@ namespace {
 // fused multiply-add (which -O3 -march=native may otherwise contract a*b - c*d into).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-// kLanes values as float32 vectors (the compiler's generic vector type), read from and
-// written to T: in bfloat16 the loop over scalars did not vectorise (6x slower than torch).
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-using Bits = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-using HalfBits = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-
-inline Vec load_lanes(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline Vec load_lanes(const c10::BFloat16* p) {
-  HalfBits half;
-  std::memcpy(&half, p, sizeof(half));
-  const Bits bits = __builtin_convertvector(half, Bits) << 16;
-  Vec v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
+// The rotation in kLanes-wide vectors, read from and written to T: in bfloat16 a loop over
+// scalars did not vectorise (6x slower than torch).
 // v rounded to bfloat16, ties to even (no NaN can arise from finite rotary inputs; a NaN
 // input stays a NaN, possibly with another payload).
 inline Vec round_lanes_bf16(Vec v) {
@@ -230,15 +212,6 @@ inline Vec rounded_lanes(Vec v) {
   }
 }
 
-inline void store_lanes(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline void store_lanes(c10::BFloat16* p, Vec v) {  // v already rounded
-  Bits u;
-  std::memcpy(&u, &v, sizeof(u));
-  const HalfBits half = __builtin_convertvector(u >> 16, HalfBits);
-  std::memcpy(p, &half, sizeof(half));
-}
-
 template <typename T>
 void rotate_half_rows(const T* xs, int64_t token_stride, int64_t head_stride, const T* cos,
                       const T* sin, T* os, int64_t tokens, int64_t heads, int64_t dim) {
@@ -252,11 +225,11 @@ void rotate_half_rows(const T* xs, int64_t token_stride, int64_t head_stride, co
         T* o = os + (t * heads + h) * dim;
         int64_t i = 0;
         for (; i + kLanes <= half; i += kLanes) {
-          const Vec first = load_lanes(x + i), second = load_lanes(x + i + half);
-          const Vec ci = load_lanes(c + i), si = load_lanes(s + i);
-          store_lanes(o + i, rounded_lanes<T>(rounded_lanes<T>(first * ci) -
+          const Vec first = load(x + i), second = load(x + i + half);
+          const Vec ci = load(c + i), si = load(s + i);
+          store(o + i, rounded_lanes<T>(rounded_lanes<T>(first * ci) -
                                               rounded_lanes<T>(second * si)));
-          store_lanes(o + i + half, rounded_lanes<T>(rounded_lanes<T>(second * ci) +
+          store(o + i + half, rounded_lanes<T>(rounded_lanes<T>(second * ci) +
                                                      rounded_lanes<T>(first * si)));
         }
         for (; i < half; ++i) {  // a head_dim / 2 that is not a multiple of kLanes

@@ -19,6 +19,7 @@
 #include "paged_attention.h"
 
 #include "exp_nonpositive.h"
+#include "lanes.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -34,8 +35,7 @@
 
 namespace {
 
-// Floats per vector step: a multiple of every SIMD width (4, 8, 16 floats).
-constexpr int64_t kLanes = 16;
+using namespace pagewire::lanes;  // kLanes floats per vector step: a multiple of every SIMD width
 
 struct Geometry {
   int64_t num_tokens;
@@ -94,34 +94,9 @@ inline float exp_shifted_sum(float* x, float shift, int64_t n) {
   return sum_lanes(lanes);
 }
 
-// kLanes floats as one value of the compiler's generic vector type (GCC and Clang): it lowers
-// to whatever SIMD the target has (one AVX-512 register, two AVX2 ones, four SSE ones).
-// Used where the auto-vectoriser does not keep several accumulators in registers.
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+// Halves and quarters of a Vec, for the horizontal sum.
 using Half = float __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 using Quarter = float __attribute__((vector_size(kLanes / 4 * sizeof(float))));
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned load
-  return v;
-}
-
-// kLanes bfloat16 values widened to float32: a bfloat16 is the upper half of a float32, so
-// the widening is exact (zero-extend, shift by 16), and the compiler vectorises it.
-using Bf16Bits = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-using F32Bits = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Vec load(const c10::BFloat16* p) {
-  Bf16Bits half;
-  std::memcpy(&half, p, sizeof(half));
-  const F32Bits bits = __builtin_convertvector(half, F32Bits) << 16;
-  Vec v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline float hsum(Vec v) {
   Half lo, hi;

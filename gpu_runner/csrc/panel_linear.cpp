@@ -18,6 +18,8 @@
 // In bfloat16 the same walk reads half the bytes, and few rows stay bound by memory.
 #include "panel_linear.h"
 
+#include "lanes.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -32,7 +34,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // output features per panel
+using namespace pagewire::lanes;  // a panel holds kLanes output features: one Vec
 constexpr int kTileRows = 8;
 constexpr int64_t kLineBytes = 64;
 #if defined(__AVX512BF16__)
@@ -59,33 +61,32 @@ int64_t panel_steps(int64_t K, at::ScalarType type) {
 }
 
 int64_t step_width(at::ScalarType type) { return holds_pairs(type) ? 2 * kLanes : kLanes; }
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-using Bf16Bits = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-using F32Bits = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// 16 bfloat16 weights widened to float32 (exact: a bfloat16 is a float32's upper half).
-inline Vec load(const c10::BFloat16* p) {
-  Bf16Bits half;
-  std::memcpy(&half, p, sizeof(half));
-  const F32Bits bits = __builtin_convertvector(half, F32Bits) << 16;
-  Vec v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
 // What a tile prefetches of the next panel pair while it computes: `lines` cache lines every
 // `every` values of k, starting at `next` (null: nothing to prefetch).
 struct Prefetch {
   const char* next;
   int64_t lines;  // 1 or 2
   int64_t every;  // >= 1
+
+  // Called once per step of k: every `every` steps, the next `lines` lines.
+  inline void step(int64_t& countdown) {
+    if (next == nullptr || --countdown > 0) return;
+    __builtin_prefetch(next, 0, 3);
+    if (lines == 2) __builtin_prefetch(next + kLineBytes, 0, 3);
+    next += kLineBytes * lines;
+    countdown = every;
+  }
 };
+
+// One row's outputs of one panel: y[n + i] = lanes[i] (+ bias[n + i]) for the m features that
+// exist, rounded once to T.
+template <typename T>
+inline void write_lanes(const float* lanes, int64_t m, const T* bias, int64_t n, T* y) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[n + i]);
+    y[n + i] = static_cast<T>(lanes[i] + b);
+  }
+}
 
 // Rows [0, R) of x (float32) times C panels (C = 1 or 2) -> y[:, n0 : n0 + 16 C] (clipped at
 // N), in T.
@@ -95,12 +96,7 @@ void tile(const float* x, int64_t K, const T* panels, int64_t panel_stride, cons
   Vec acc[R][C] = {};
   int64_t countdown = 0;
   for (int64_t k = 0; k < K; ++k) {
-    if (prefetch.next != nullptr && --countdown <= 0) {
-      __builtin_prefetch(prefetch.next, 0, 3);
-      if (prefetch.lines == 2) __builtin_prefetch(prefetch.next + kLineBytes, 0, 3);
-      prefetch.next += kLineBytes * prefetch.lines;
-      countdown = prefetch.every;
-    }
+    prefetch.step(countdown);
     Vec w[C];
 #pragma GCC unroll 2
     for (int c = 0; c < C; ++c) w[c] = load(panels + c * panel_stride + k * kLanes);
@@ -116,10 +112,9 @@ void tile(const float* x, int64_t K, const T* panels, int64_t panel_stride, cons
     const int64_t m = std::min(kLanes, N - n);
     if (m <= 0) continue;
     for (int r = 0; r < R; ++r) {
-      for (int64_t i = 0; i < m; ++i) {
-        const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[n + i]);
-        y[r * N + n + i] = static_cast<T>(acc[r][c][i] + b);
-      }
+      float lanes[kLanes];
+      store(lanes, acc[r][c]);
+      write_lanes(lanes, m, bias, n, y + r * N);
     }
   }
 }
@@ -136,12 +131,7 @@ void tile(const Pair* x, int64_t K2, const c10::BFloat16* panels, int64_t panel_
   }
   int64_t countdown = 0;
   for (int64_t k = 0; k < K2; ++k) {
-    if (prefetch.next != nullptr && --countdown <= 0) {
-      __builtin_prefetch(prefetch.next, 0, 3);
-      if (prefetch.lines == 2) __builtin_prefetch(prefetch.next + kLineBytes, 0, 3);
-      prefetch.next += kLineBytes * prefetch.lines;
-      countdown = prefetch.every;
-    }
+    prefetch.step(countdown);
     __m512bh w[C];
 #pragma GCC unroll 2
     for (int c = 0; c < C; ++c) {
@@ -159,12 +149,9 @@ void tile(const Pair* x, int64_t K2, const c10::BFloat16* panels, int64_t panel_
     const int64_t m = std::min(kLanes, N - n);
     if (m <= 0) continue;
     for (int r = 0; r < R; ++r) {
-      float out[kLanes];
-      _mm512_storeu_ps(out, acc[r][c]);
-      for (int64_t i = 0; i < m; ++i) {
-        const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[n + i]);
-        y[r * N + n + i] = static_cast<c10::BFloat16>(out[i] + b);
-      }
+      float lanes[kLanes];
+      _mm512_storeu_ps(lanes, acc[r][c]);
+      write_lanes(lanes, m, bias, n, y + r * N);
     }
   }
 }

@@ -47,7 +47,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -289,7 +289,7 @@ def tune_policy(weight: torch.Tensor, candidates: dict[Gemm, GemmRun],
             chosen.append(chosen[-1] if chosen else Gemm.PLAIN)
             continue
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=generator)
-        seconds = _best_of_interleaved([partial(run, x) for run in candidates.values()], rounds)
+        seconds = best_of_interleaved([partial(run, x) for run in candidates.values()], rounds)
         chosen.append(_fastest(dict(zip(candidates, seconds, strict=True))))
     return GemmPolicy(tuple(chosen))
 
@@ -305,7 +305,8 @@ def _fastest(seconds: dict[Gemm, float]) -> Gemm:
     return best
 
 
-def _best_of_interleaved(runs: list[Callable[[], object]], rounds: int) -> list[float]:
+def best_of_interleaved(runs: Sequence[Callable[[], object]], rounds: int) -> list[float]:
+    """Best time of each run, measured interleaved so that all see the same machine load."""
     best = [float("inf")] * len(runs)
     for run in runs:  # warm-up: first-call allocations are not the steady state
         run()

@@ -270,7 +270,7 @@ def test_tuning_gives_the_panels_their_rows_unmeasured_and_extends_past_the_budg
         timed_rows.append(runs[0].args[0].shape[0])  # the x of partial(run, x)
         return [1.0, 0.5]  # the second candidate always wins where measured
 
-    monkeypatch.setattr(linear_module, "_best_of_interleaved", fake_best_of)
+    monkeypatch.setattr(linear_module, "best_of_interleaved", fake_best_of)
     monkeypatch.setattr(linear_module, "TUNE_MAX_MACS", 512 * 8 * 4)
     weight = torch.randn(8, 4)
     candidates = {Gemm.PLAIN: lambda x: x, Gemm.MKL_PACKED: lambda x: x}
