@@ -45,11 +45,13 @@ $(CHECKOV_VENV)/bin/checkov:
 run: setup
 	$(VENV)/bin/pagewire serve --demo
 
-# Each benchmark prints its table; serve_bench also writes bench/results/serve_bench.*.
+# Each benchmark prints its table (runner and serve_bench in float32 and bfloat16, each with
+# its roofline); serve_bench also writes bench/results/serve_bench.*.
 # The vLLM peer runs only where `make bench-peers` installed it.
 bench: setup
 	$(PY) bench/block_service.py
-	$(PY) bench/runner.py
+	$(PY) bench/runner.py --dtype float32
+	$(PY) bench/runner.py --dtype bfloat16
 	$(PY) bench/linear.py
 	$(PY) bench/cpu_attention.py
 	$(PY) bench/serve_bench.py
