@@ -23,13 +23,11 @@ with its own services (the runner started with `--dtype`), ceiling runner and pe
 (transformers `dtype`, vLLM `LLM(dtype=...)`), all under the rules above, round i with the same
 seed in every dtype; ratios compare rows of one dtype, plus pagewire bfloat16 ÷ pagewire
 float32 (median of the per-round ratios: round i has the same prompts in both). float32 is
-the full set. To keep the bench's time (the bfloat16 set is meant to add under 8 minutes), the
+the full set. To keep the bench's time (the bfloat16 set added ~5 minutes on 2026-12-02), the
 other dtypes leave out the streamed row (it measures the services, not the model) and
 transformers continuous batching (about 4 minutes of W1 a dtype), each shown as such in the
 table, and run fewer rounds (--other-dtype-rounds, default 2 of W1's 4, round i's prompts
-those of float32's round i): transformers static batching, their longest row, runs several
-times slower in bfloat16 than in float32 on this CPU (a warm-up of 4 minutes here, under
-other load, against 35 s a float32 run). W2 and W3 run on float32's services, W4 in float32;
+those of float32's round i). W2 and W3 run on float32's services, W4 in float32;
 `--dtypes bfloat16` runs neither W2 nor W3.
 
 The roofline (bench/roofline.py): with the ceiling, the machine's GEMM peak per dtype (the
