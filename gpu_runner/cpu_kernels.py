@@ -64,11 +64,19 @@ _module: ModuleType | None = None
 _failure: str | None = None  # why the build failed; set once, never retried
 
 
+@functools.cache
+def _cpuinfo() -> list[str]:
+    """The lines of /proc/cpuinfo (empty where there is none: not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def _cpu_fingerprint() -> str:
     """A short hash of the CPU's model and feature flags (the target of -march=native)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    lines = _cpuinfo()
+    if not lines:
         return "generic"
     wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
     return hashlib.sha1("\n".join(wanted).encode()).hexdigest()[:10]
@@ -180,13 +188,11 @@ def bf16_fallback_reason() -> str | None:
     return None
 
 
-@functools.cache
 def _cpu_has_bf16() -> bool:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "").split()
-    except OSError:  # not Linux: ask oneDNN (it checks the AVX-512 base, not BF16 itself)
+    lines = _cpuinfo()
+    if not lines:  # not Linux: ask oneDNN (it checks the AVX-512 base, not BF16 itself)
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    flags = next((line for line in lines if line.startswith("flags")), "").split()
     return any(flag in flags for flag in _BF16_FLAGS)
 
 

@@ -78,13 +78,20 @@ struct Prefetch {
   }
 };
 
-// One row's outputs of one panel: y[n + i] = lanes[i] (+ bias[n + i]) for the m features that
-// exist, rounded once to T.
-template <typename T>
-inline void write_lanes(const float* lanes, int64_t m, const T* bias, int64_t n, T* y) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[n + i]);
-    y[n + i] = static_cast<T>(lanes[i] + b);
+// A tile's outputs: y[r][n0 + 16 c + i] = lanes[r][c][i] (+ bias) for the features that
+// exist (< N), rounded once to T.
+template <int R, int C, typename T>
+inline void write_tile(const float (&lanes)[R][C][kLanes], const T* bias, T* y, int64_t N,
+                       int64_t n0) {
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = n0 + c * kLanes;
+    const int64_t m = std::min(kLanes, N - n);
+    for (int r = 0; r < R; ++r) {
+      for (int64_t i = 0; i < m; ++i) {
+        const float b = bias == nullptr ? 0.0f : static_cast<float>(bias[n + i]);
+        y[r * N + n + i] = static_cast<T>(lanes[r][c][i] + b);
+      }
+    }
   }
 }
 
@@ -107,16 +114,11 @@ void tile(const float* x, int64_t K, const T* panels, int64_t panel_stride, cons
       for (int c = 0; c < C; ++c) acc[r][c] += xv * w[c];
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t n = n0 + c * kLanes;
-    const int64_t m = std::min(kLanes, N - n);
-    if (m <= 0) continue;
-    for (int r = 0; r < R; ++r) {
-      float lanes[kLanes];
-      store(lanes, acc[r][c]);
-      write_lanes(lanes, m, bias, n, y + r * N);
-    }
+  float lanes[R][C][kLanes];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) store(lanes[r][c], acc[r][c]);
   }
+  write_tile(lanes, bias, y, N, n0);
 }
 
 #if defined(__AVX512BF16__)
@@ -144,16 +146,11 @@ void tile(const Pair* x, int64_t K2, const c10::BFloat16* panels, int64_t panel_
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t n = n0 + c * kLanes;
-    const int64_t m = std::min(kLanes, N - n);
-    if (m <= 0) continue;
-    for (int r = 0; r < R; ++r) {
-      float lanes[kLanes];
-      _mm512_storeu_ps(lanes, acc[r][c]);
-      write_lanes(lanes, m, bias, n, y + r * N);
-    }
+  float lanes[R][C][kLanes];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(lanes[r][c], acc[r][c]);
   }
+  write_tile(lanes, bias, y, N, n0);
 }
 #endif
 
