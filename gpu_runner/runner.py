@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from common.model_store import resolve_model
+from common.model_store import model_name, resolve_model
 from gpu_runner import cpu_kernels
 from gpu_runner.attention.selection import (
     AttentionBackend,
@@ -257,7 +257,7 @@ class ModelRunner:
 
     def info(self) -> RunnerInfo:
         return RunnerInfo(
-            model=self.folder.name,
+            model=model_name(self.folder),
             architecture=self.config.architecture,
             vocab_size=self.config.vocab_size,
             eos_token_ids=self.config.eos_token_ids,

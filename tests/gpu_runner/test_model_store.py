@@ -40,6 +40,43 @@ def test_default_folder_is_complete(default_model_dir: Path) -> None:
     assert resolve_model("default") == default_model_dir  # converted once, then reused
 
 
+def test_default_model_is_named_and_samples_as_its_authors_recommend(
+        default_model_dir: Path) -> None:
+    import json
+
+    from transformers import GenerationConfig
+
+    assert model_store.model_name(default_model_dir) == "SmolLM2-135M-Instruct"
+    # transformers reads the folder's generation config as the model card's sampling.
+    generation = GenerationConfig.from_pretrained(default_model_dir)
+    assert generation.do_sample is True
+    assert (generation.temperature, generation.top_p) == (0.2, 0.9)
+    written = json.loads((default_model_dir / "generation_config.json").read_text())
+    assert written["eos_token_id"] == 2  # the GGUF's own fields are kept
+
+
+@pytest.mark.parametrize(("file_name", "name"), [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ("Qwen3-0.6B-Q4_K_M.gguf", "Qwen3-0.6B"),
+    ("llama-3.2-1b-instruct.f16.gguf", "llama-3.2-1b-instruct"),
+    ("tiny-IQ2_XS.gguf", "tiny"),
+    ("model.gguf", "model"),
+    ("Q8_0.gguf", "Q8_0"),  # nothing left but the suffix: the name stays whole
+])
+def test_gguf_model_name_drops_the_quantization(file_name: str, name: str) -> None:
+    assert model_store.gguf_model_name(Path(file_name)) == name
+
+
+def test_model_name_of_a_plain_or_broken_folder_is_its_name(tmp_path: Path) -> None:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert model_store.model_name(folder) == "my-model"
+    (folder / model_store.NAME_FILE).write_text("not json")
+    assert model_store.model_name(folder) == "my-model"
+    (folder / model_store.NAME_FILE).write_text('{"name": "Friendly"}')
+    assert model_store.model_name(folder) == "Friendly"
+
+
 def test_folder_resolves_to_itself(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == tmp_path
