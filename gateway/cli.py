@@ -14,7 +14,7 @@ import grpc
 from common.log import setup_logging
 from common.security import ClientTls
 from gateway.client import PagewireClient, finish_reason_name
-from gateway.config import ROUTING
+from gateway.config import ROUTING, add_generation_config_arguments
 from gateway.launcher import (
     DEFAULT_HTTP_PORT,
     RUNNER_DTYPES,
@@ -54,10 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = commands.add_parser(
         "serve", help="start block service, runner and gateway on localhost")
     _add_serve_arguments(serve_parser)
-    generate_parser = commands.add_parser("generate", help="stream a completion of a prompt")
+    generate_parser = commands.add_parser(
+        "generate", help="stream the answer to a prompt (a chat message when the model has a "
+                         "chat template)")
     generate_parser.add_argument("prompt", help="the prompt text")
-    generate_parser.add_argument("--chat", action="store_true",
-                                 help="send the prompt as a user chat message")
+    generate_parser.add_argument("--raw", action="store_true",
+                                 help="complete the prompt as plain text, without the chat "
+                                      "template")
     _add_client_arguments(generate_parser)
     chat_parser = commands.add_parser("chat", help="an interactive chat (Ctrl-D ends it)")
     chat_parser.add_argument("--system", default=None, help="a system message")
@@ -74,7 +77,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the gateway's OpenAI-compatible HTTP port (gateways: this port "
                              "and the ports after it; 0: no HTTP API)")
     parser.add_argument("--served-model-name", default="",
-                        help="the model name of the HTTP API (default: the model's own)")
+                        help="the model name of the APIs (default: the model's own)")
+    add_generation_config_arguments(parser)
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="the gateway's Prometheus port (0: off)")
     parser.add_argument("--block-size", type=int, default=None)
@@ -175,10 +179,10 @@ def stream_to(out: TextIO, stream: Any, show_index: bool = False
 
 def generate(args: argparse.Namespace) -> int:
     with _connect(args) as client:
-        if args.chat:
-            stream = client.generate(messages=[("user", args.prompt)], **_sampling(args))
-        else:
+        if args.raw or not client.model_info().has_chat_template:
             stream = client.generate(args.prompt, **_sampling(args))
+        else:
+            stream = client.generate(messages=[("user", args.prompt)], **_sampling(args))
         _, usage, reasons = stream_to(sys.stdout, stream, show_index=True)
     if args.usage and usage is not None:
         print(f"[finish: {', '.join(reasons)}; prompt {usage.prompt_tokens} tokens, "
@@ -214,6 +218,8 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
     return LaunchConfig(
         model=args.model, host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port, served_model_name=args.served_model_name,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -232,7 +238,10 @@ def serve(args: argparse.Namespace) -> int:
         launcher.start()
         if args.demo:
             run_demo(launcher.gateway_address)
-        print(serving_banner(launcher.gateway_address, launcher.http_address), flush=True)
+        with PagewireClient(launcher.gateway_address) as client:
+            model = client.model_info().model
+        print(serving_banner(launcher.gateway_address, launcher.http_address, model),
+              flush=True)
         return launcher.supervise()
     except RuntimeError as error:
         log.error("%s", error)

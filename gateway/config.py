@@ -6,8 +6,10 @@ import argparse
 import os
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.security import read_tokens
+from gateway.sampling_defaults import FROM_MODEL, OPENAI_DEFAULTS, parse_override
 from gateway.validation import (
     MAX_PROMPT_TOKENS,
     MAX_STOP_STRING_CHARS,
@@ -43,7 +45,12 @@ class GatewayConfig:
     block_service: str = "127.0.0.1:50052"
     # The OpenAI-compatible HTTP API (gateway/http/) on this port of --host; 0: not served.
     http_port: int = 0
-    served_model_name: str = ""  # the model name of the HTTP API ("": the runner's)
+    served_model_name: str = ""  # the model name of the APIs ("": the runner's)
+    # Where default sampling parameters come from (gateway/sampling_defaults.py): "auto" (the
+    # model's generation_config.json), "openai" (none) or a folder; and the operator's JSON
+    # override of generation-config fields.
+    generation_config: str = FROM_MODEL
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
     # The runners to serve (--runner); empty: every runner registered with the block service.
     runners: list[str] = field(default_factory=list)
     routing: str = "prefix"  # how a request's runner is chosen (see ROUTING)
@@ -120,7 +127,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve the OpenAI-compatible HTTP API on this port of --host "
                              "(0: not served; docs/api.md)")
     parser.add_argument("--served-model-name", default="",
-                        help="the model name of the HTTP API (default: the model's own)")
+                        help="the model name of the APIs (default: the model's own)")
+    add_generation_config_arguments(parser)
     parser.add_argument("--runner", action="append", default=[], dest="runners",
                         help="a runner to serve, host:port (repeat for several); without it, "
                              "every runner registered with the block service")
@@ -179,12 +187,34 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES)
 
 
+def add_generation_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--generation-config and --override-generation-config (the gateway's and `pagewire
+    serve`'s)."""
+    parser.add_argument("--generation-config", default=FROM_MODEL,
+                        help=f"default sampling parameters: {FROM_MODEL} (the model's "
+                             f"generation_config.json), {OPENAI_DEFAULTS} (OpenAI's defaults "
+                             "only) or a folder holding a generation_config.json; a request's "
+                             "own parameters always win (docs/api.md)")
+    parser.add_argument("--override-generation-config", default="", type=_override,
+                        help='JSON of generation-config fields over those defaults, e.g. '
+                             '\'{"temperature": 0.5, "max_new_tokens": 512}\' (null drops one)')
+
+
+def _override(text: str) -> dict[str, Any]:
+    try:
+        return parse_override(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """Reads the flags added by add_gateway_arguments."""
     return GatewayConfig(
         block_service=args.block_service,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         runners=args.runners,
         routing=args.routing,
         model=args.model,

@@ -14,9 +14,11 @@ together (gateway first, so streams end before their backends go).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,6 +57,9 @@ class LaunchConfig:
     metrics_port: int = 0
     http_port: int = 0  # the first gateway's HTTP API (0: none; the CLI defaults to 8000)
     served_model_name: str = ""
+    generation_config: str | None = None  # the gateways' --generation-config
+    # The gateways' --override-generation-config (generation-config fields).
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
     block_size: int | None = None
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
@@ -267,7 +273,10 @@ class Launcher:
             flags += ["--http-port", str(c.http_port + index)]
         if c.served_model_name:
             flags += ["--served-model-name", c.served_model_name]
-        for name, value in (("--max-num-batched-tokens", c.max_num_batched_tokens),
+        if c.override_generation_config:
+            flags += ["--override-generation-config", json.dumps(c.override_generation_config)]
+        for name, value in (("--generation-config", c.generation_config),
+                            ("--max-num-batched-tokens", c.max_num_batched_tokens),
                             ("--max-num-seqs", c.max_num_seqs), ("--routing", c.routing)):
             if value is not None:
                 flags += [name, str(value)]
@@ -340,20 +349,34 @@ class Launcher:
         signal.signal(signal.SIGTERM, handle)
 
 
-def serving_banner(address: str, http_address: str = "") -> str:
-    """Where pagewire listens and how to reach it."""
+# What the banner suggests: questions the default model answers in sentences, through its chat
+# template (checked against transformers by tests/e2e/test_cli_e2e.py).
+BANNER_PROMPTS = {
+    "generate": "Give me three tips for staying healthy.",
+    "grpcurl": "What is the capital of France?",
+    "curl": "Explain what a GPU is in one sentence.",
+}
+
+
+def serving_banner(address: str, http_address: str = "", model: str = "") -> str:
+    """Where pagewire listens and how to reach it: commands to paste (`model`: the served
+    model's name, for the HTTP API's `model` field)."""
+    grpc_body = json.dumps({"messages": {"messages": [
+        {"role": "user", "content": BANNER_PROMPTS["grpcurl"]}]}})
     lines = [
-        f"pagewire is serving on {address} (gRPC: pagewire.gateway.v1.GenerationService)",
-        "  try:  pagewire generate --address " + address + ' "Tell me a joke"',
-        "        pagewire chat --address " + address,
-        "        grpcurl -plaintext -d '{\"prompt\": \"Hello\", \"sampling_params\": "
-        "{\"max_tokens\": 32}}' " + address + " pagewire.gateway.v1.GenerationService/Generate",
+        f"pagewire is serving {model or 'its model'} on {address} "
+        "(gRPC: pagewire.gateway.v1.GenerationService)",
+        f"  try:  pagewire generate --address {address} {shlex.quote(BANNER_PROMPTS['generate'])}",
+        f"        pagewire chat --address {address}",
+        f"        grpcurl -plaintext -d {shlex.quote(grpc_body)} {address} "
+        "pagewire.gateway.v1.GenerationService/Generate",
     ]
     if http_address:
+        http_body = json.dumps({**({"model": model} if model else {}), "messages": [
+            {"role": "user", "content": BANNER_PROMPTS["curl"]}]})
         lines += [
             f"  OpenAI-compatible HTTP API on http://{http_address}/v1 (docs/api.md):",
-            f"        curl http://{http_address}/v1/chat/completions -H 'Content-Type: "
-            "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
-            "\"Hello\"}], \"max_tokens\": 32}'",
+            f"        curl http://{http_address}/v1/chat/completions "
+            f"-H 'Content-Type: application/json' -d {shlex.quote(http_body)}",
         ]
     return "\n".join([*lines, "  Ctrl-C stops every service."])

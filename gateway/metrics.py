@@ -69,3 +69,10 @@ SAMPLE_SECONDS = Histogram(
     "pagewire_gateway_runner_sample_seconds", "Sampling of each batch (sample_ms)",
     buckets=_SECONDS_BUCKETS,
 )
+REFUSED_REQUESTS = Counter(
+    "pagewire_gateway_refused_requests",
+    "Requests refused with a client error before any generation (gateway/refusals.py), by API, "
+    "HTTP status or gRPC code, and reason (the field at fault, or a kind such as "
+    "unknown_field, model_not_found, unauthorized, limit_reached)",
+    ["api", "status", "reason"],
+)

@@ -27,6 +27,7 @@ from gateway.config import (
 )
 from gateway.engine import Engine
 from gateway.http.app import HttpApi, HttpServer
+from gateway.sampling_defaults import GenerationConfigError, load_defaults
 from gateway.servicer import GenerationServicer
 from gateway.tokenizer import Tokenizer, load_tokenizer
 from protos import gateway_pb2
@@ -53,6 +54,8 @@ class Gateway:
                  tokenizer: Tokenizer | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model)
+        self.defaults = load_defaults(self.tokenizer.folder, config.generation_config,
+                                      config.override_generation_config)
         self._block_channel = _backend_channel(config, config.block_service)
         self.engine = Engine(config, self._block_channel,
                              lambda address: _backend_channel(config, address))
@@ -64,7 +67,11 @@ class Gateway:
     def start(self, timeout_s: float = 300.0) -> GrpcService:
         info = self.engine.start(timeout_s)
         servicer = GenerationServicer(self.engine, self.tokenizer, info,
-                                      tokens_checked=bool(self._options.auth_tokens))
+                                      tokens_checked=bool(self._options.auth_tokens),
+                                      defaults=self.defaults,
+                                      served_model_name=self.config.served_model_name)
+        log.info("serving the model as %r; default sampling: %s (a request's own parameters "
+                 "win)", servicer.served_model_name, self.defaults.describe())
         self.servicer = servicer
         self.service = start_server(
             self._options,
@@ -75,7 +82,7 @@ class Gateway:
         # Health follows the backends: NOT_SERVING while the runner or block service is down.
         self.engine.set_health_listener(self.service.set_serving)
         if self.config.http_port:
-            api = HttpApi(servicer, self._options, self.config.served_model_name)
+            api = HttpApi(servicer, self._options)
             self.http = HttpServer(api, self._options, self.config.http_port)
             self.http.start()
         return self.service
@@ -113,10 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("gateway", args.log_level)
     try:
         config = config_from_args(args)
-    except ValueError as error:  # inconsistent flags: a usage error, not a traceback
+        gateway = Gateway(config, options)
+    except ValueError as error:  # inconsistent flags or defaults: a usage error
         parser.error(str(error))
-    gateway = Gateway(config, options)
-    service = gateway.start()
+    try:
+        service = gateway.start()
+    except GenerationConfigError as error:  # out of range for this model
+        gateway.stop()
+        parser.error(str(error))
     log.info("gateway serving on %s:%d (block service %s, runners %s)", args.host,
              service.port, gateway.config.block_service,
              ", ".join(gateway.config.runners) or "registered with it")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
+from typing import NoReturn
 
 import grpc
 
+from gateway import refusals
 from gateway.engine import AdmissionError, BackendInfo, Engine
 from gateway.request import MessageSink, Request, StreamError
+from gateway.sampling_defaults import GenerationConfigError, SamplingDefaults
 from gateway.tokenizer import CHAT_ROLES, ChatMessage, Tokenizer
 from gateway.validation import (
     InvalidRequest,
@@ -31,8 +34,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     """The public API; every check happens before a request reaches the engine."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, info: BackendInfo,
-                 tokens_checked: bool = False) -> None:
-        """`tokens_checked`: the server verifies bearer tokens, so a token names a client."""
+                 tokens_checked: bool = False, defaults: SamplingDefaults | None = None,
+                 served_model_name: str = "") -> None:
+        """`tokens_checked`: the server verifies bearer tokens, so a token names a client;
+        `defaults`: of the sampling fields a request leaves unset (GenerationConfigError when
+        they are out of range); `served_model_name`: the name clients use (default: the
+        runner's name of the model)."""
         self.engine = engine
         self._tokens_checked = tokens_checked
         self.tokenizer = tokenizer
@@ -48,18 +55,25 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             max_stop_string_chars=config.max_stop_string_chars,
         )
         self.streams = StreamLimiter(config.max_streams, config.max_streams_per_client)
+        self.defaults = defaults or SamplingDefaults.none()
+        self.served_model_name = served_model_name or info.model
+        try:  # the defaults alone must make a valid request
+            sampling_config(self.defaults.apply(gateway_pb2.SamplingParams()), 0, self.limits, 0)
+        except InvalidRequest as error:
+            raise GenerationConfigError(
+                f"the default sampling parameters ({self.defaults.source}): {error}") from None
 
     def Generate(self, request: gateway_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[gateway_pb2.GenerateResponse]:
         try:
             engine_request = self.build_request(request)
         except InvalidRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, error)
         client = peer_key(context.invocation_metadata(), context.peer(), self._tokens_checked)
         try:
             release = self.streams.acquire(client)
         except LimitReached as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error, "limit_reached")
         # A cancelled call's slot is given back at once, not when the engine next steps (its
         # thread may be busy in a long Execute).
         context.add_callback(release)
@@ -74,7 +88,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         try:
             self.engine.submit(engine_request)
         except AdmissionError as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error, "queue_full")
         context.add_callback(lambda: self.engine.abort(engine_request))
         finished = False
         try:
@@ -94,7 +108,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             token_ids = self.prompt_ids(request)
             check_prompt_length(len(token_ids), self.limits)
         except InvalidRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, error)
         return gateway_pb2.TokenizeResponse(
             token_ids=token_ids, tokens=self.tokenizer.token_pieces(token_ids)
         )
@@ -107,10 +121,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                      context: grpc.ServicerContext) -> gateway_pb2.GetModelInfoResponse:
         info = self.model_info()
         return gateway_pb2.GetModelInfoResponse(
-            model=info.model, architecture=info.architecture, vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
-            num_blocks=info.num_blocks, block_size=info.block_size, dtype=info.dtype,
-            device=info.device,
+            model=self.served_model_name, architecture=info.architecture,
+            vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            eos_token_ids=info.eos_token_ids, num_blocks=info.num_blocks,
+            block_size=info.block_size, dtype=info.dtype, device=info.device,
+            default_sampling_params=self.defaults.params,
+            has_chat_template=self.tokenizer.has_chat_template,
         )
 
     # ----- building a request --------------------------------------------------------------
@@ -120,8 +136,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                       default_max_tokens: int | None = None) -> Request:
         """A validated engine request (InvalidRequest when it cannot be served), its messages
         going to `stream` (default: a queue read by `Request.messages`); an unset max_tokens
-        is what fits, capped at `default_max_tokens`. The HTTP API builds its requests here
-        too, so both APIs check and tokenize alike."""
+        is what fits, capped at the generation config's max_new_tokens, else at
+        `default_max_tokens`. Unset sampling fields take the server's defaults. The HTTP API
+        builds its requests here too, so both APIs check and tokenize alike."""
         check_identifiers(request.request_id, request.cache_salt)
         if request.WhichOneof("input") == "prompt_token_ids":
             check_prompt_length(len(request.prompt_token_ids.token_ids), self.limits)
@@ -129,8 +146,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         else:
             prompt_ids = self.prompt_ids(request)
         check_prompt_ids(prompt_ids, self.limits)
-        params = sampling_config(request.sampling_params, len(prompt_ids), self.limits,
-                                 self.engine.new_seed(), default_max_tokens)
+        params = sampling_config(self.defaults.apply(request.sampling_params), len(prompt_ids),
+                                 self.limits, self.engine.new_seed(),
+                                 self.defaults.max_tokens or default_max_tokens)
         key = uuid.uuid4().hex
         return Request(
             request_id=key,
@@ -164,6 +182,24 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             except ValueError as error:
                 raise InvalidRequest(str(error)) from error
         raise InvalidRequest("no prompt: set one of prompt, messages or prompt_token_ids")
+
+
+# Field names a refusal's reason may be (the first word of an InvalidRequest message names the
+# field at fault when it is one of these).
+_REQUEST_FIELDS = frozenset(gateway_pb2.SamplingParams.DESCRIPTOR.fields_by_name) | frozenset(
+    gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
+
+
+def _refuse(context: grpc.ServicerContext, code: grpc.StatusCode, error: Exception,
+            reason: str = "") -> NoReturn:
+    """Logs and counts the refusal (gateway/refusals.py), then aborts the call with it."""
+    message = str(error)
+    if not reason:
+        word = message.split(" ", 1)[0].rstrip(":")
+        reason = word if word in _REQUEST_FIELDS else code.name.lower()
+    refusals.record("grpc", code.name, reason, context.peer(), message)
+    context.abort(code, message)
+    raise AssertionError("context.abort raises")  # for the type checker: it never returns
 
 
 def _chat_messages(messages: gateway_pb2.ChatMessages) -> list[ChatMessage]:

@@ -40,9 +40,13 @@ class Tokenizer:
         """Plain text as the tokenizer's own rules tokenize it (special tokens included)."""
         return list(self._tok.encode(text))
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._tok.chat_template is not None
+
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         """The conversation rendered with the chat template, generation prompt added."""
-        if self._tok.chat_template is None:
+        if not self.has_chat_template:
             raise ValueError("the model has no chat template: send a plain prompt instead")
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         text = self._tok.apply_chat_template(

@@ -168,7 +168,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "num_blocks", "block_size", "dtype", "device")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "num_blocks", "block_size", "dtype", "device", "default_sampling_params", "has_chat_template")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,8 @@ class GetModelInfoResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -187,4 +189,6 @@ class GetModelInfoResponse(_message.Message):
     block_size: int
     dtype: str
     device: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    default_sampling_params: SamplingParams
+    has_chat_template: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., default_sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...

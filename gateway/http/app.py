@@ -31,13 +31,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common.server import ServerOptions
+from gateway import refusals
 from gateway.engine import AdmissionError
 from gateway.http.errors import ApiError, from_grpc_code, invalid
 from gateway.http.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    KNOWN_FIELDS,
     Fields,
     Job,
+    ServedModel,
     check_model,
     parse_chat,
     parse_completion,
@@ -82,13 +85,16 @@ class _Bridge:
 class HttpApi:
     """The endpoints, over one gateway's servicer."""
 
-    def __init__(self, servicer: GenerationServicer, options: ServerOptions,
-                 served_model_name: str = "") -> None:
+    def __init__(self, servicer: GenerationServicer, options: ServerOptions) -> None:
         self._servicer = servicer
         self._engine = servicer.engine
         self._tokenizer = servicer.tokenizer
         self._options = options
-        self._model = served_model_name or servicer.model_info().model
+        # The runner's name and the model folder's stay aliases of the served name (the
+        # default model was served by its folder's name before it had a name of its own).
+        aliases = {servicer.model_info().model, servicer.tokenizer.folder.name}
+        self._model = ServedModel(servicer.served_model_name,
+                                  frozenset(aliases - {servicer.served_model_name}))
         self._expected = [f"Bearer {t}".encode() for t in options.auth_tokens]
         config = servicer.engine.config
         # Not the gRPC servicer's limiter: that one guards its thread pool, these hold no thread.
@@ -123,8 +129,10 @@ class HttpApi:
     async def models(self, request: HttpRequest) -> Response:
         info = self._servicer.model_info()
         return JSONResponse({"object": "list", "data": [{
-            "id": self._model, "object": "model", "created": 0, "owned_by": "pagewire",
-            "root": info.model, "max_model_len": self._servicer.limits.max_len}]})
+            "id": self._model.name, "object": "model", "created": 0, "owned_by": "pagewire",
+            "root": info.model, "max_model_len": self._servicer.limits.max_len,
+            # What a request's unset sampling fields take (docs/api.md).
+            "default_sampling_params": self._servicer.defaults.as_dict()}]})
 
     async def completions(self, request: HttpRequest) -> Response:
         job = parse_completion(await _body(request, self._options), self._model)
@@ -205,7 +213,8 @@ class HttpApi:
         release = self._acquire_slot(http)
         self._submit(requests, release)
         try:
-            answer = Answer(job, self._token_text, echo_texts)
+            answer = Answer(job, self._token_text, echo_texts,
+                            [len(r.prompt_ids) for r in requests])
             watch = asyncio.ensure_future(_disconnected(http))
             try:
                 first = await _next(queue, watch)
@@ -366,11 +375,34 @@ async def _body(http: HttpRequest, options: ServerOptions) -> dict[str, Any]:
 
 async def _error_response(http: HttpRequest, error: Exception) -> Response:
     assert isinstance(error, ApiError)
+    _record_refusal(http.client, error)
     return JSONResponse(error.payload(), status_code=error.status)
 
 
+# Refusal reasons by status, where the error names no known field (gateway/refusals.py).
+_STATUS_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found",
+                   405: "method_not_allowed", 413: "body_too_large", 429: "limit_reached"}
+
+
+def _record_refusal(client: Any, error: ApiError) -> None:
+    """Logs and counts a 4xx (a 5xx is the server's fault, logged where it happens)."""
+    if not 400 <= error.status < 500:
+        return
+    if error.reason:
+        reason = error.reason
+    elif isinstance(error.code, str):
+        reason = error.code
+    elif error.param and refusals.reason_label(error.param) in KNOWN_FIELDS:
+        reason = refusals.reason_label(error.param)
+    else:
+        reason = _STATUS_REASONS.get(error.status, "other")
+    address = f"{client.host}:{client.port}" if client else "unknown"
+    refusals.record("http", str(error.status), reason, address, error.message)
+
+
 async def _not_found(http: HttpRequest, error: Exception) -> Response:
-    return await _error_response(http, ApiError(404, f"no endpoint {http.url.path}"))
+    return await _error_response(http, ApiError(404, f"no endpoint {http.url.path}",
+                                                reason="no_endpoint"))
 
 
 async def _not_allowed(http: HttpRequest, error: Exception) -> Response:
@@ -402,6 +434,7 @@ class _AuthMiddleware:
             if not self._api.authorized(header):
                 error = ApiError(401, "missing or invalid bearer token (header Authorization: "
                                       "Bearer <token>)")
+                _record_refusal(HttpRequest(scope).client, error)
                 response = JSONResponse(error.payload(), status_code=401)
                 await response(scope, receive, send)
                 return

@@ -37,6 +37,9 @@ class ApiError(Exception):
     message: str
     param: str | None = None
     code: str | None = None
+    # What the refusal counter and log call it (gateway/refusals.py) when neither `code` nor
+    # a known `param` says it: a fixed word, never text from the client.
+    reason: str = ""
 
     def __str__(self) -> str:
         return self.message
@@ -50,9 +53,9 @@ class ApiError(Exception):
         }}
 
 
-def invalid(message: str, param: str | None = None) -> ApiError:
+def invalid(message: str, param: str | None = None, reason: str = "") -> ApiError:
     """A 400 for a parameter that cannot be served as sent."""
-    return ApiError(400, message, param=param)
+    return ApiError(400, message, param=param, reason=reason)
 
 
 def from_grpc_code(code_name: str, message: str) -> ApiError:

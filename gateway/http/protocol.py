@@ -29,8 +29,10 @@ MAX_USER_CHARS = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_BIAS = 100.0  # logit_bias values are clamped to [-MAX_BIAS, MAX_BIAS]
 
-# Fields of OpenAI's API that pagewire does not serve, with the values that ask for nothing
-# (sent by clients that fill every field in): any other value is refused, never ignored.
+# Fields pagewire does not serve, with the values that ask for nothing (sent by clients that
+# fill every field in, or by tools written for vLLM): any other value would change the output
+# without pagewire honouring it, so it is refused, never ignored. OpenAI's first, then
+# vLLM's extras.
 _UNSERVED: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
@@ -42,12 +44,51 @@ _UNSERVED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v == ["text"],
     "prediction": lambda v: False,
     "reasoning_effort": lambda v: False,
+    "verbosity": lambda v: False,
     "web_search_options": lambda v: False,
     "store": lambda v: v is False,
     "metadata": lambda v: v == {},
     "service_tier": lambda v: v in ("auto", "default"),
+    # Hints about who asks and which prompts repeat: they never change the output.
+    "prompt_cache_key": lambda v: isinstance(v, str),
+    "safety_identifier": lambda v: isinstance(v, str),
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
+    "min_tokens": lambda v: v == 0,
+    "use_beam_search": lambda v: v is False,
+    "length_penalty": lambda v: v == 1,
+    "include_stop_str_in_output": lambda v: v is False,
+    "skip_special_tokens": lambda v: v is True,
+    "spaces_between_special_tokens": lambda v: v is True,
+    "detokenize": lambda v: v is True,
+    "return_tokens_as_token_ids": lambda v: v is False,
+    "bad_words": lambda v: v == [],
+    "allowed_token_ids": lambda v: False,
+    "prompt_logprobs": lambda v: False,
+    "truncate_prompt_tokens": lambda v: False,
+    "priority": lambda v: v == 0,
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "structured_outputs": lambda v: False,
+}
+# The same for fields whose no-op value differs between the two endpoints (pagewire renders a
+# chat with the generation prompt and tokenizes it without adding special tokens, and a plain
+# prompt with them).
+_UNSERVED_CHAT: dict[str, Callable[[Any], bool]] = {
+    **_UNSERVED,
+    "add_generation_prompt": lambda v: v is True,
+    "continue_final_message": lambda v: v is False,
+    "add_special_tokens": lambda v: v is False,
+    "echo": lambda v: v is False,
+    "chat_template": lambda v: False,
+    "chat_template_kwargs": lambda v: v == {},
+    "documents": lambda v: False,
+}
+_UNSERVED_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    **_UNSERVED,
+    "add_special_tokens": lambda v: v is True,
 }
 _SAMPLING_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -58,8 +99,23 @@ _SAMPLING_FIELDS = {
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs",
                                   "top_logprobs"}
+# Every field name an endpoint knows (a refusal's reason label may be one of them).
+KNOWN_FIELDS = COMPLETION_FIELDS | CHAT_FIELDS | set(_UNSERVED_CHAT) | set(
+    _UNSERVED_COMPLETION)
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
               "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model name a request's `model` must give (or an alias of it)."""
+
+    name: str
+    aliases: frozenset[str] = frozenset()
+
+    def names(self, asked: str) -> bool:
+        return asked == self.name or asked in self.aliases
 
 
 @dataclass
@@ -72,6 +128,8 @@ class Job:
     stream: bool
     include_usage: bool
     chat: bool
+    # stream_options.continuous_usage_stats (vLLM's): usage so far in every chunk.
+    continuous_usage: bool = False
     # An unset max_tokens: what fits, capped at this (completions: OpenAI's 16).
     default_max_tokens: int | None = None
     # Completions with echo: each prompt (text, or token ids to decode), put before its outputs.
@@ -104,14 +162,23 @@ def _refuse_constant(name: str) -> Any:
 class Fields:
     """Typed reads of a JSON object's fields; each error names the field."""
 
-    def __init__(self, body: dict[str, Any], known: set[str]) -> None:
+    def __init__(self, body: dict[str, Any], known: set[str],
+                 unserved: dict[str, Callable[[Any], bool]] | None = None) -> None:
+        """`known`: the fields served; `unserved`: fields taken only at the value that asks
+        for nothing (null always)."""
+        unserved = unserved or {}
         for name, value in body.items():
-            if name in _UNSERVED:
-                if value is not None and not _UNSERVED[name](value):
-                    raise invalid(f"{name} is not served by pagewire", param=name)
-            elif name not in known:
-                raise invalid(f"unknown field {name!r}; this endpoint takes "
-                              f"{', '.join(sorted(known))}", param=name)
+            if name in known:
+                continue
+            if name in unserved:
+                if value is not None and not unserved[name](value):
+                    raise invalid(f"{name} is not served by pagewire (it is taken only at "
+                                  f"its default, which asks for nothing)", param=name,
+                                  reason="unserved_value")
+            else:
+                raise invalid(f"unknown field {name[:64]!r}; this endpoint takes "
+                              f"{', '.join(sorted(known))}", param=name[:64],
+                              reason="unknown_field")
         self.body = body
 
     def get(self, name: str) -> Any:
@@ -178,10 +245,10 @@ def _json_type(value: Any) -> str:
 
 # ----- the two endpoints -------------------------------------------------------------------
 
-def parse_completion(body: dict[str, Any], model: str) -> Job:
-    """A /v1/completions body; `model` is the served name it must name (when it names one).
-    Without max_tokens the job's default_max_tokens (OpenAI's 16) caps what fits."""
-    fields = Fields(body, COMPLETION_FIELDS)
+def parse_completion(body: dict[str, Any], model: ServedModel) -> Job:
+    """A /v1/completions body; `model` is what it must name (when it names one). Without
+    max_tokens the job's default_max_tokens (OpenAI's 16) caps what fits."""
+    fields = Fields(body, COMPLETION_FIELDS, _UNSERVED_COMPLETION)
     prompts = _completion_prompts(body.get("prompt"))
     logprobs = fields.integer("logprobs", 0, _UINT32_MAX)
     echo = fields.boolean("echo")
@@ -207,9 +274,9 @@ def parse_completion(body: dict[str, Any], model: str) -> Job:
     return job
 
 
-def parse_chat(body: dict[str, Any], model: str) -> Job:
+def parse_chat(body: dict[str, Any], model: ServedModel) -> Job:
     """A /v1/chat/completions body."""
-    fields = Fields(body, CHAT_FIELDS)
+    fields = Fields(body, CHAT_FIELDS, _UNSERVED_CHAT)
     request_messages = _chat_messages(body.get("messages"))
     want_logprobs = fields.boolean("logprobs")
     top = fields.integer("top_logprobs", 0, _UINT32_MAX)
@@ -228,33 +295,37 @@ def parse_chat(body: dict[str, Any], model: str) -> Job:
     return job
 
 
-def _job(fields: Fields, model: str, requests: list[gateway_pb2.GenerateRequest],
+def _job(fields: Fields, model: ServedModel, requests: list[gateway_pb2.GenerateRequest],
          params: gateway_pb2.SamplingParams, chat: bool) -> Job:
     check_model(fields, model)
     stream = fields.boolean("stream")
-    include_usage = False
+    include_usage = continuous_usage = False
     options = fields.get("stream_options")
     if options is not None:
         if not stream:
             raise invalid("stream_options is only allowed with stream: true",
                           param="stream_options")
-        if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
-            raise invalid("stream_options takes one field, include_usage",
+        if not isinstance(options, dict) or not set(options) <= STREAM_OPTIONS:
+            raise invalid(f"stream_options takes {' and '.join(sorted(STREAM_OPTIONS))}",
                           param="stream_options")
-        include_usage = Fields(options, {"include_usage"}).boolean("include_usage")
+        read = Fields(options, STREAM_OPTIONS)
+        include_usage = read.boolean("include_usage")
+        # vLLM's: usage in every chunk, which only makes sense with the usage asked for.
+        continuous_usage = include_usage and read.boolean("continuous_usage_stats")
     user = fields.string("user")
     if len(user) > MAX_USER_CHARS:
         raise invalid(f"user has {len(user)} characters, over {MAX_USER_CHARS}", param="user")
-    return Job(model=model, requests=requests, n=params.n if params.HasField("n") else 1,
-               stream=stream, include_usage=include_usage, chat=chat)
+    return Job(model=model.name, requests=requests,
+               n=params.n if params.HasField("n") else 1, stream=stream,
+               include_usage=include_usage, chat=chat, continuous_usage=continuous_usage)
 
 
-def check_model(fields: Fields, model: str) -> None:
+def check_model(fields: Fields, model: ServedModel) -> None:
     """404 when the body names a model other than the served one."""
-    asked = fields.string("model", model)
-    if asked != model:
+    asked = fields.string("model", model.name)
+    if not model.names(asked):
         raise ApiError(404, f"the model {asked[:64]!r} does not exist; this server serves "
-                            f"{model!r}", param="model", code="model_not_found")
+                            f"{model.name!r}", param="model", code="model_not_found")
 
 
 def _generate_request(fields: Fields, params: gateway_pb2.SamplingParams

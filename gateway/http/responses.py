@@ -34,7 +34,10 @@ class Choice:
 class Answer:
     """Shapes one job's messages as OpenAI's JSON: chunks of a stream, or the whole answer."""
 
-    def __init__(self, job: Job, token_text: TokenText, echo_texts: Sequence[str]) -> None:
+    def __init__(self, job: Job, token_text: TokenText, echo_texts: Sequence[str],
+                 prompt_tokens: Sequence[int] = ()) -> None:
+        """`prompt_tokens`: each prompt's length, for the usage in every chunk
+        (continuous_usage_stats)."""
         self.job = job
         self.token_text = token_text
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
@@ -42,6 +45,8 @@ class Answer:
         self.echo_texts = echo_texts
         self.choices = [Choice(i) for i in range(len(job.requests) * job.n)]
         self._usage = [gateway_pb2.Usage() for _ in job.requests]
+        self._prompt_tokens = list(prompt_tokens) or [0] * len(job.requests)
+        self._generated = [0] * len(job.requests)  # tokens streamed so far, per prompt
         self._started: set[int] = set()  # choices whose first chunk was sent
 
     # ----- shared ------------------------------------------------------------------------
@@ -96,6 +101,7 @@ class Answer:
         """The stream chunk of one message (None when it carries no output)."""
         choices = []
         for output in message.outputs:
+            self._generated[prompt_index] += len(output.token_ids)
             index = prompt_index * self.job.n + output.index
             choice = self.choices[index]
             text = output.text
@@ -121,7 +127,11 @@ class Answer:
         if not choices:
             return None
         chunk = {**self._head(True), "choices": choices}
-        if self.job.include_usage:
+        if self.job.continuous_usage:  # vLLM's: the prompt's usage so far, all its outputs
+            prompt, completion = self._prompt_tokens[prompt_index], self._generated[prompt_index]
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        elif self.job.include_usage:
             chunk["usage"] = None
         return chunk
 
