@@ -30,13 +30,17 @@ FIXTURE_FILES = sorted(FIXTURES.glob("*.json"))
 MODEL = "SmolLM2-135M-Instruct"  # what the captured clients were told to ask for
 # Headers a replay must not copy: the transport's own, and encodings httpx may not decode.
 _SKIPPED_HEADERS = {"host", "content-length", "accept-encoding", "connection"}
+MAX_NEW_TOKENS = 24
 _replayed: list[str] = []
 
 
 @pytest.fixture(scope="module")
 def stack(tokenizer: Tokenizer, block_service: ServiceProcess) -> Iterator[Stack]:
+    # The operator's cap on an unset max_tokens keeps the bodies that set none short (the
+    # fake runner never ends an output by itself).
     s = Stack(tokenizer, block_service, num_blocks=256, epoch=43, http_port=free_port(),
-              served_model_name=MODEL)
+              served_model_name=MODEL,
+              override_generation_config={"max_new_tokens": MAX_NEW_TOKENS})
     yield s
     s.close()
 
@@ -81,14 +85,13 @@ def test_captured_client_request_is_served(http: httpx.Client, path: Path) -> No
             assert response.json()["data"][0]["id"] == MODEL
         return
     chat = fixture["path"] == "/v1/chat/completions"
-    wanted = max_tokens_of(body)
+    wanted = max_tokens_of(body) or MAX_NEW_TOKENS
     if not body.get("stream"):
         answer = response.json()
         assert answer["model"] == MODEL and answer["choices"]
         first = answer["choices"][0]
         assert (first["message"]["content"] if chat else first["text"])
-        if wanted and body.get("ignore_eos"):
-            assert answer["usage"]["completion_tokens"] == wanted
+        assert answer["usage"]["completion_tokens"] == wanted * body.get("n", 1)
         return
     chunks = sse_chunks(response.text)
     options = body.get("stream_options") or {}
@@ -106,8 +109,7 @@ def test_captured_client_request_is_served(http: httpx.Client, path: Path) -> No
         assert chunks[-1]["choices"] == [] and usage["completion_tokens"] >= 1
         if options.get("continuous_usage_stats"):
             assert so_far[-1] == usage["completion_tokens"]
-        if wanted and body.get("ignore_eos"):
-            assert usage["completion_tokens"] == wanted
+        assert usage["completion_tokens"] == wanted
     else:
         assert all(c.get("usage") is None for c in chunks)
 
@@ -219,6 +221,6 @@ def test_refusals_are_logged_with_reason_and_client_and_counted(
 def test_model_info_shows_defaults_and_chat_template(stack: Stack) -> None:
     info = stack.client.model_info()
     assert info.model == MODEL and info.has_chat_template
-    # The default model's generation config: its model card's sampling.
-    expected = gateway_pb2.SamplingParams(temperature=0.2, top_p=0.9)
+    # The default model's generation config (its model card's sampling), and the override.
+    expected = gateway_pb2.SamplingParams(temperature=0.2, top_p=0.9, max_tokens=MAX_NEW_TOKENS)
     assert info.default_sampling_params == expected
