@@ -54,8 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         choices=list(LINEAR_BACKENDS),
                         help="auto: on CPU in float32, the C++ panel kernel for 1-64 rows and "
                              "above that the fastest of MKL sgemm, MKL-packed weights and the "
-                             "panels, measured per weight shape at start; packed: MKL-packed "
-                             "always; plain: MKL sgemm always (always plain on CUDA)")
+                             "panels, measured per weight shape at start; panels: the panel "
+                             "kernel for 1-64 rows and MKL sgemm above, unmeasured (a quicker "
+                             "start); packed: MKL-packed always; plain: MKL sgemm always "
+                             "(always plain on CUDA)")
     parser.add_argument("--tensor-parallel-size", type=int,
                         default=int(env("PAGEWIRE_RUNNER_TENSOR_PARALLEL_SIZE", "1")),
                         help="split the model over N processes (N GPUs; gloo on CPU)")

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Runner processes started by the tests (they inherit this environment) take the panel kernel
+# for decode rows and MKL sgemm above without measuring kernels at start: the measurement
+# costs seconds per runner, dozens of runners start in a run, and which kernel wins is not
+# what those tests check (tests/gpu_runner/test_linear.py checks the tuning and every kernel's
+# parity; a test that wants the tuned start sets the flag itself).
+os.environ.setdefault("PAGEWIRE_RUNNER_LINEAR_BACKEND", "panels")
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from gpu_runner.layers.linear import (
     ALWAYS_PLAIN,
     MIN_GAIN,
     PANEL_ROWS,
+    PANELS_THEN_PLAIN,
     ROW_BUCKETS,
     Gemm,
     GemmPolicy,
@@ -380,6 +381,34 @@ def test_auto_uses_the_panels_up_to_their_rows_unmeasured(
                                    _f64_linear(x, model.first.weight, model.first.bias),
                                    rtol=1e-5, atol=1e-4)
     assert calls == [PANEL_ROWS.start, PANEL_ROWS.stop - 1]
+
+
+@needs_kernels
+def test_panels_backend_measures_nothing_panels_then_plain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_tuning(*_args: object, **_kwargs: object) -> GemmPolicy:
+        raise AssertionError("the panels backend measured a kernel")
+
+    monkeypatch.setattr(linear_module, "tune_policy", no_tuning)
+    assert resolve_linear_backend("panels", CPU, torch.float32) == "panels"
+    model = _TwoLayers()
+    policies = install_linear_backend(model, "panels", PolicyCache())
+    assert set(policies.values()) == {PANELS_THEN_PLAIN}
+    for module in _projections(model):
+        assert module.packed is not None and module.packed.packed is None  # no MKL copy
+        assert module.packed.panels is not None
+    assert [PANELS_THEN_PLAIN.kernel(rows) for rows in (1, 64, 65, 2048)] == [
+        Gemm.PANELS, Gemm.PANELS, Gemm.PLAIN, Gemm.PLAIN]
+    for rows in (3, 100):  # a panel row count and a plain one
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(model.first(x).double(),
+                                   _f64_linear(x, model.first.weight, model.first.bias),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_panels_backend_is_plain_where_the_panels_cannot_run() -> None:
+    assert resolve_linear_backend("panels", torch.device("cuda"), torch.float32) == "plain"
+    assert resolve_linear_backend("panels", CPU, torch.float16) == "plain"
 
 
 # ---- the runner ----
