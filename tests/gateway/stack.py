@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import httpx
 
 from gateway.client import PagewireClient
 from gateway.server import Gateway
@@ -31,6 +32,11 @@ class Stack:
                                               self.runner_address, **settings)
         assert self.gateway.service is not None
         self.client = PagewireClient(f"127.0.0.1:{self.gateway.service.port}")
+
+    def http_client(self) -> httpx.Client:
+        """A client of the gateway's HTTP API (the stack was made with an http_port)."""
+        assert self.gateway.http is not None
+        return httpx.Client(base_url=f"http://127.0.0.1:{self.gateway.http.port}", timeout=30)
 
     def stats(self) -> block_pb2.Stats:
         reply = self.blocks.GetStats(block_pb2.GetStatsRequest(pool_id=self.runner_address))

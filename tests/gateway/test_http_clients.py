@@ -47,9 +47,7 @@ def stack(tokenizer: Tokenizer, block_service: ServiceProcess) -> Iterator[Stack
 
 @pytest.fixture(scope="module")
 def http(stack: Stack) -> Iterator[httpx.Client]:
-    assert stack.gateway.http is not None
-    with httpx.Client(base_url=f"http://127.0.0.1:{stack.gateway.http.port}",
-                      timeout=30) as client:
+    with stack.http_client() as client:
         yield client
 
 
