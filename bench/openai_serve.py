@@ -785,7 +785,7 @@ def _rates(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def _names(allowed: Sequence[str]) -> Any:
+def comma_choices(allowed: Sequence[str]) -> Any:
     def parse(text: str) -> list[str]:
         names = [n for n in text.split(",") if n]
         unknown = sorted(set(names) - set(allowed))
@@ -805,9 +805,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--warm-up-prompts", type=int, default=WARM_UP_PROMPTS)
-    parser.add_argument("--engines", type=_names(ENGINES), default=list(ENGINES),
+    parser.add_argument("--engines", type=comma_choices(ENGINES), default=list(ENGINES),
                         help="comma-separated, in the order they run")
-    parser.add_argument("--stages", type=_names(STAGES), default=list(STAGES),
+    parser.add_argument("--stages", type=comma_choices(STAGES), default=list(STAGES),
                         help="online (vLLM's client at every rate), w1 (HTTP vs gRPC)")
     parser.add_argument("--w1-rounds", type=int, default=W1_ROUNDS)
     parser.add_argument("--w1-requests", type=int, default=32,
