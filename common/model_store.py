@@ -24,6 +24,7 @@ weights are dequantized with numpy and written with safetensors' numpy writer).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import logging
@@ -255,20 +256,25 @@ def write_converted_folder(gguf_path: Path, out: Path) -> None:
 def gguf_tensors(gguf_path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a GGUF file as float32 under its Hugging Face name (dequantized, and
     with llama.cpp's Q/K row permutation undone for Llama)."""
-    from gguf import GGUFReader
-
     arch = _check_architecture(gguf_path)
-    reader = GGUFReader(str(gguf_path))
+    reader = _reader(gguf_path)
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
     kv_heads = int(kv_field.contents()) if kv_field is not None else heads
     return dict(_hf_tensors(reader, arch, heads, kv_heads, gguf_path))
 
 
-def _check_architecture(gguf_path: Path) -> str:
+@functools.lru_cache(maxsize=2)
+def _reader(gguf_path: Path) -> GGUFReader:
+    """The file's reader, parsed once per conversion (parsing SmolLM2's metadata, its 49152
+    tokens and merges, takes ~3 s here)."""
     from gguf import GGUFReader
 
-    arch = str(_field(GGUFReader(str(gguf_path)), "general.architecture"))
+    return GGUFReader(str(gguf_path))
+
+
+def _check_architecture(gguf_path: Path) -> str:
+    arch = str(_field(_reader(gguf_path), "general.architecture"))
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ModelStoreError(
             f"{gguf_path}: architecture {arch!r} is not supported "
