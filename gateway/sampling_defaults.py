@@ -101,22 +101,19 @@ def load_defaults(model_folder: Path, generation_config: str = FROM_MODEL,
 
 def parse_override(text: str) -> dict[str, Any]:
     """--override-generation-config: a JSON object of generation-config fields (null drops
-    the model's default of a field)."""
+    the model's default of a field). Errors leave the flag's name to argparse."""
     if not text:
         return {}
     try:
         value = json.loads(text)
     except ValueError as error:
-        raise GenerationConfigError(
-            f"--override-generation-config is not JSON: {error}") from None
+        raise GenerationConfigError(f"not JSON: {error}") from None
     if not isinstance(value, dict):
-        raise GenerationConfigError("--override-generation-config must be a JSON object, "
-                                    'e.g. \'{"temperature": 0.5}\'')
+        raise GenerationConfigError('not a JSON object: give one like \'{"temperature": 0.5}\'')
     unknown = sorted(set(value) - set(GENERATION_FIELDS))
     if unknown:
         raise GenerationConfigError(
-            f"--override-generation-config: unknown field {unknown[0]!r}; it takes "
-            f"{', '.join(GENERATION_FIELDS)}")
+            f"unknown field {unknown[0]!r}; it takes {', '.join(GENERATION_FIELDS)}")
     return value
 
 

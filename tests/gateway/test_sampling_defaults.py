@@ -99,7 +99,7 @@ def test_top_k_off_values_set_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "match"), [
     ("{", "not JSON"),
-    ("[1]", "JSON object"),
+    ("[1]", "not a JSON object"),
     ('{"temprature": 0.5}', "unknown field 'temprature'"),
 ])
 def test_bad_overrides_are_named(text: str, match: str) -> None:
