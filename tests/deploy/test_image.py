@@ -256,6 +256,7 @@ def _install(folder: Path, gguf: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_install_default_publishes_a_loadable_folder_once(tmp_path: Path) -> None:
+    from common import model_store
     from gateway.tokenizer import Tokenizer
 
     folder = tmp_path / "models" / "default"
@@ -266,6 +267,8 @@ def test_install_default_publishes_a_loadable_folder_once(tmp_path: Path) -> Non
     assert list(folder.glob("*.safetensors"))
     assert json.loads((folder / "config.json").read_text())["architectures"]
     assert Tokenizer(folder).encode("hello world")
+    # Served by its own name, not the volume folder's ("default").
+    assert model_store.model_name(folder) == "SmolLM2-135M-Instruct"
     assert os.listdir(folder.parent) == ["default"]  # no staging left behind
 
     before = _tree(folder)
