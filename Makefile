@@ -61,7 +61,7 @@ bench: setup
 	if test -x $(PEERS_VENV)/bin/guidellm; then $(PY) bench/guidellm_serve.py; \
 	else echo "guidellm_serve skipped: run make bench-peers"; fi
 
-# The fuzz tests of every service with ten times the examples `make test` runs.
+# The fuzz tests of every service with 10-20 times the examples `make test` runs.
 fuzz: setup
 	PAGEWIRE_FUZZ_EXAMPLES=20000 $(VENV)/bin/pytest -q -k fuzz $(PYTEST_ARGS)
 

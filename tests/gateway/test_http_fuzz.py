@@ -34,7 +34,8 @@ from tests.gateway.fake_runner import VOCAB, expected_tokens
 from tests.gateway.stack import BLOCK_SIZE, Stack
 from tests.helpers.services import ServiceProcess, free_port
 
-EXAMPLES = int(os.environ.get("PAGEWIRE_FUZZ_EXAMPLES", "2000"))
+# 1000 in make test (the share checks hold from 50 on); make fuzz runs 20000.
+EXAMPLES = int(os.environ.get("PAGEWIRE_FUZZ_EXAMPLES", "1000"))
 MODEL = "fake"
 NUM_BLOCKS = 64  # 256 tokens: prompt and output of each sequence fit, several at once
 MAX_TOKENS = 4  # in valid bodies: each costs a few steps
