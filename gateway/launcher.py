@@ -216,33 +216,38 @@ class Launcher:
         return f"{self.config.host}:{self.config.port}"
 
     def start(self) -> None:
-        """Starts the three services in dependency order; raises if one fails to come up."""
+        """Starts the three services in dependency order, each kind at once (every runner
+        loads while the others do, every gateway likewise); raises if one fails to come up."""
         # Only the gateway may face the network: the internal services take orders from
         # gateways alone, so they stay on loopback whatever --host says.
         host = INTERNAL_HOST
         block_address = f"{host}:{free_port(host)}"
         py = [sys.executable, "-m"]
-        self._start_child(Child(
+        self._start_children([Child(
             "block_service", [*py, "block_service", "--host", host,
                               "--port", block_address.rsplit(":", 1)[1],
                               "--journal-dir", str(self.journal_dir),
                               "--nice", str(self.config.services_nice)],
-            block_address, self.log_dir / "block_service.log"))
+            block_address, self.log_dir / "block_service.log")])
+        runners = []
         for index in range(self.config.runners):
             port = free_port(host)
             name = "gpu_runner" if self.config.runners == 1 else f"gpu_runner-{index}"
-            self._start_child(Child(
+            runners.append(Child(
                 name, [*py, "gpu_runner", "--host", host, "--port", str(port),
                        "--block-service", block_address, *self._runner_flags()],
                 f"{host}:{port}", self.log_dir / f"{name}.log"))
+        self._start_children(runners)
+        gateways = []
         for index in range(self.config.gateways):
             name = "gateway" if self.config.gateways == 1 else f"gateway-{index}"
             port = self.config.port + index
-            self._start_child(Child(
+            gateways.append(Child(
                 name, [*py, "gateway", "--host", self.config.host, "--port", str(port),
                        "--block-service", block_address,
                        "--nice", str(self.config.services_nice), *self._gateway_flags(index)],
                 f"{self.config.host}:{port}", self.log_dir / f"{name}.log"))
+        self._start_children(gateways)
 
     @property
     def gateway_addresses(self) -> list[str]:
@@ -282,20 +287,27 @@ class Launcher:
                 flags += [name, str(value)]
         return flags
 
-    def _start_child(self, child: Child) -> None:
-        log.info("starting %s on %s (log: %s)", child.name, child.address, child.log_path)
-        child.start()
-        self.children.append(child)
+    def _start_children(self, children: list[Child]) -> None:
+        """Starts `children` together and waits until each serves."""
+        for child in children:
+            log.info("starting %s on %s (log: %s)", child.name, child.address, child.log_path)
+            child.start()
+            self.children.append(child)
         deadline = time.monotonic() + self.config.startup_timeout_s
-        while not is_serving(child.address):
-            code = child.exited()
-            if code is not None:
-                raise RuntimeError(
-                    f"{child.name} exited with {code} while starting:\n{child.log_tail()}"
-                )
-            if time.monotonic() > deadline or self._stop_requested.is_set():
-                raise RuntimeError(f"{child.name} did not start:\n{child.log_tail()}")
-            time.sleep(0.2)
+        waiting = list(children)
+        while waiting:
+            for child in list(waiting):
+                code = child.exited()
+                if code is not None:
+                    raise RuntimeError(
+                        f"{child.name} exited with {code} while starting:\n{child.log_tail()}")
+                if is_serving(child.address):
+                    waiting.remove(child)
+            if waiting and (time.monotonic() > deadline or self._stop_requested.is_set()):
+                raise RuntimeError(f"{waiting[0].name} did not start:\n"
+                                   f"{waiting[0].log_tail()}")
+            if waiting:
+                time.sleep(0.2)
 
     def supervise(self) -> int:
         """Watches the children until a stop is requested, restarting one that dies (with

@@ -18,7 +18,8 @@ def started_children(argv: list[str], tmp_path: Path,
                      monkeypatch: pytest.MonkeyPatch) -> list[Child]:
     """The children `pagewire serve <argv>` would start, in order."""
     started: list[Child] = []
-    monkeypatch.setattr(Launcher, "_start_child", lambda self, child: started.append(child))
+    monkeypatch.setattr(Launcher, "_start_children",
+                        lambda self, children: started.extend(children))
     args = build_parser().parse_args(["serve", "--log-dir", str(tmp_path), *argv])
     Launcher(launch_config(args)).start()
     return started

@@ -26,7 +26,8 @@ def test_every_service_binds_loopback_by_default(monkeypatch: pytest.MonkeyPatch
 def child_hosts(host: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The --host each child of `pagewire serve --host <host>` is given."""
     started: list[Child] = []
-    monkeypatch.setattr(Launcher, "_start_child", lambda self, child: started.append(child))
+    monkeypatch.setattr(Launcher, "_start_children",
+                        lambda self, children: started.extend(children))
     Launcher(LaunchConfig(host=host, log_dir=tmp_path)).start()
     return {child.name: child.command[child.command.index("--host") + 1] for child in started}
 
