@@ -66,10 +66,14 @@ class ClientTls:
         )
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED."""
+def _refusal(handler: grpc.RpcMethodHandler, message: str,
+             on_refusal: Callable[[str, str], None] | None = None) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED (telling
+    `on_refusal` the caller's peer and the message first)."""
 
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
+        if on_refusal is not None:
+            on_refusal(context.peer(), message)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kinds: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
@@ -91,8 +95,11 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Lets through only calls that carry `authorization: Bearer <token>` for a known token."""
 
-    def __init__(self, tokens: Sequence[str]) -> None:
+    def __init__(self, tokens: Sequence[str],
+                 on_refusal: Callable[[str, str], None] | None = None) -> None:
+        """`on_refusal`: told (peer, message) of each call refused."""
         self._expected = [f"Bearer {token}".encode() for token in tokens]
+        self._on_refusal = on_refusal
 
     def _authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
         for key, value in metadata or ():
@@ -112,7 +119,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return handler
         if self._authorized(details.invocation_metadata):
             return handler
-        return _refusal(handler, "missing or invalid bearer token (metadata 'authorization')")
+        return _refusal(handler, "missing or invalid bearer token (metadata 'authorization')",
+                        self._on_refusal)
 
 
 class _TokenMetadata(

@@ -43,6 +43,9 @@ class ServerOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tls: ServerTls | None = None  # None serves plaintext
     auth_tokens: tuple[str, ...] = ()  # bearer tokens accepted; empty accepts every caller
+    # Told (peer, message) of each call refused for its token (the gateway logs and counts
+    # its refusals: gateway/refusals.py).
+    on_auth_refusal: Callable[[str, str], None] | None = None
 
 
 def _env(service: str, name: str, default: str) -> str:
@@ -196,7 +199,8 @@ def start_server(
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    auth = [TokenAuthInterceptor(options.auth_tokens)] if options.auth_tokens else []
+    auth = ([TokenAuthInterceptor(options.auth_tokens, options.on_auth_refusal)]
+            if options.auth_tokens else [])
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_workers),
         interceptors=[*auth, MetricsInterceptor(), *interceptors, *interceptors_from_env()],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import grpc
 
@@ -19,6 +20,7 @@ from common.server import (
     server_options_from_args,
     start_server,
 )
+from gateway import refusals
 from gateway.config import (
     DEFAULT_GATEWAY_PORT,
     GatewayConfig,
@@ -62,7 +64,7 @@ class Gateway:
         self.service: GrpcService | None = None
         self.servicer: GenerationServicer | None = None
         self.http: HttpServer | None = None
-        self._options = options
+        self._options = replace(options, on_auth_refusal=_auth_refused)
 
     def start(self, timeout_s: float = 300.0) -> GrpcService:
         info = self.engine.start(timeout_s)
@@ -95,6 +97,10 @@ class Gateway:
         if self.service is not None:
             self.service.stop()
         self._block_channel.close()
+
+
+def _auth_refused(peer: str, message: str) -> None:
+    refusals.record("grpc", grpc.StatusCode.UNAUTHENTICATED.name, "unauthorized", peer, message)
 
 
 def _backend_channel(config: GatewayConfig, address: str) -> grpc.Channel:

@@ -3,6 +3,7 @@ internal token that only gateways hold for the block service and the runner."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -48,6 +49,19 @@ def test_gateway_refuses_a_client_without_the_public_token(stack: ProcessStack,
         assert refusal(lambda: client.tokenize(prompt="hi")) == grpc.StatusCode.UNAUTHENTICATED
         assert refusal(lambda: client.complete(token_ids=[5, 6], max_tokens=2)) == \
             grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_gateway_logs_a_refused_token(stack: ProcessStack) -> None:
+    """A call refused for its token leaves a line in the gateway's log (gateway/refusals.py)."""
+    with PagewireClient(stack.gateway.address, token="a-guess") as client:
+        assert refusal(client.model_info) == grpc.StatusCode.UNAUTHENTICATED
+    assert stack.gateway.log_path is not None
+    deadline = time.monotonic() + 10
+    wanted = "refused grpc request from ipv"
+    while not any(wanted in line and "UNAUTHENTICATED unauthorized: missing or invalid bearer "
+                  "token" in line for line in stack.gateway.log_path.read_text().splitlines()):
+        assert time.monotonic() < deadline, stack.gateway.log()
+        time.sleep(0.05)
 
 
 def test_gateway_serves_a_client_with_the_token(stack: ProcessStack) -> None:
