@@ -5,7 +5,8 @@ A refusal is a request the gateway answers with a client error (HTTP 4xx, or gRP
 INVALID_ARGUMENT / RESOURCE_EXHAUSTED / UNAUTHENTICATED ...) before generating anything. The
 log must show them (a load generator whose every request got a 400 left no trace before), yet
 a client that floods bad requests must not fill the disk: at most LOG_BURST lines per
-LOG_WINDOW_S, then one line saying how many were left out.
+LOG_WINDOW_S: the first refusal over it says so, and the next window starts with a line
+saying how many were left out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ LOG_BURST = 20
 _MAX_TEXT = 300
 # A reason is a metric label: only these characters, and short (never the client's text).
 _REASON = re.compile(r"[a-z0-9_]{1,48}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class Refusals:
@@ -53,16 +55,22 @@ class Refusals:
                 left_out, self._left_out = self._left_out, 0
                 self._window_start, self._logged = now, 0
             allowed = self._logged < self._burst
+            first_left_out = not allowed and self._left_out == 0
             if allowed:
                 self._logged += 1
             else:
                 self._left_out += 1
+            resumes_in = self._window_start + self._window_s - now
         if left_out:
             log.warning("%d more refused requests were not logged (at most %d per %g s)",
                         left_out, self._burst, self._window_s)
         if allowed:
-            log.warning("refused %s request from %s: %s %s: %s", api, _short(client), status,
-                        label, _short(message))
+            log.warning("refused %s request from %s: %s %s: %s", api, _printable(client),
+                        status, label, _printable(message))
+        elif first_left_out:  # said when it starts, so a flood that stops still shows
+            log.warning("more refused requests than %d in %g s: the next are counted "
+                        "(pagewire_gateway_refused_requests_total) but not logged for %.1f s",
+                        self._burst, self._window_s, resumes_in)
 
 
 def reason_label(reason: str) -> str:
@@ -72,8 +80,10 @@ def reason_label(reason: str) -> str:
     return base if _REASON.fullmatch(base) else "other"
 
 
-def _short(text: str) -> str:
-    text = text.replace("\n", " ")
+def _printable(text: str) -> str:
+    """Client text for a log line: control characters escaped (no forged lines, no terminal
+    escapes), cut at _MAX_TEXT."""
+    text = _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
     return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "…"
 
 

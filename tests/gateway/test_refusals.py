@@ -32,15 +32,20 @@ def test_each_refusal_is_logged_until_the_burst_then_summed_up(
         for i in range(7):
             refusals.record("http", "400", "temperature", "10.0.0.9:5555",
                             f"temperature must be >= 0, got -{i}")
+            clock.now += 1
         lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 3  # the burst; the other four are counted, not logged
+        # The burst, then one line when the rest start to be left out (a flood that stops
+        # there still shows); the other three are counted, not logged.
+        assert len(lines) == 4
         assert lines[0] == ("refused http request from 10.0.0.9:5555: 400 temperature: "
                             "temperature must be >= 0, got -0")
+        assert lines[3] == ("more refused requests than 3 in 10 s: the next are counted "
+                            "(pagewire_gateway_refused_requests_total) but not logged for 7.0 s")
         clock.now += 10  # the next window starts with a line for what was left out
         refusals.record("grpc", "INVALID_ARGUMENT", "n", "ipv4:127.0.0.1:1", "n must be ...")
         lines = [r.getMessage() for r in caplog.records]
-    assert lines[3] == "4 more refused requests were not logged (at most 3 per 10 s)"
-    assert lines[4].startswith("refused grpc request from ipv4:127.0.0.1:1: INVALID_ARGUMENT n")
+    assert lines[4] == "4 more refused requests were not logged (at most 3 per 10 s)"
+    assert lines[5].startswith("refused grpc request from ipv4:127.0.0.1:1: INVALID_ARGUMENT n")
     # Every refusal is counted, logged or not.
     assert count("http", "400", "temperature") - before == 7
 
@@ -48,9 +53,12 @@ def test_each_refusal_is_logged_until_the_burst_then_summed_up(
 def test_client_text_is_cut_and_kept_on_one_line(caplog: pytest.LogCaptureFixture) -> None:
     refusals = Refusals(Clock())
     with caplog.at_level(logging.WARNING, logger="gateway.refusals"):
-        refusals.record("http", "400", "prompt", "c", "line one\nline two " + "x" * 1000)
+        refusals.record("http", "404", "no_endpoint", "c",
+                        "no endpoint /a\rforged line\n\x1b[31mred\x85 " + "x" * 1000)
     message = caplog.records[0].getMessage()
-    assert "\n" not in message and len(message) < 400 and message.endswith("…")
+    assert "/a\\x0dforged line\\x0a\\x1b[31mred\\x85 x" in message
+    assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in message)
+    assert len(message) < 400 and message.endswith("…")
 
 
 @pytest.mark.parametrize(("reason", "label"), [
