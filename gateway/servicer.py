@@ -195,8 +195,8 @@ def _refuse(context: grpc.ServicerContext, code: grpc.StatusCode, error: Excepti
     """Logs and counts the refusal (gateway/refusals.py), then aborts the call with it."""
     message = str(error)
     if not reason:
-        word = message.split(" ", 1)[0].rstrip(":")
-        reason = word if word in _REQUEST_FIELDS else code.name.lower()
+        field = refusals.reason_label(message.split(" ", 1)[0].rstrip(":"))
+        reason = field if field in _REQUEST_FIELDS else code.name.lower()
     refusals.record("grpc", code.name, reason, context.peer(), message)
     context.abort(code, message)
     raise AssertionError("context.abort raises")  # for the type checker: it never returns

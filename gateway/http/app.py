@@ -90,11 +90,13 @@ class HttpApi:
         self._engine = servicer.engine
         self._tokenizer = servicer.tokenizer
         self._options = options
-        # The runner's name and the model folder's stay aliases of the served name (the
-        # default model was served by its folder's name before it had a name of its own).
-        aliases = {servicer.model_info().model, servicer.tokenizer.folder.name}
-        self._model = ServedModel(servicer.served_model_name,
-                                  frozenset(aliases - {servicer.served_model_name}))
+        # The model folder's name stays an alias of the model's own (the default model was
+        # served by its folder's name before it had a name of its own); a --served-model-name
+        # is the only name, as in vLLM.
+        name = servicer.served_model_name
+        own_name = name == servicer.model_info().model
+        aliases = {servicer.tokenizer.folder.name} - {name} if own_name else set()
+        self._model = ServedModel(name, frozenset(aliases))
         self._expected = [f"Bearer {t}".encode() for t in options.auth_tokens]
         config = servicer.engine.config
         # Not the gRPC servicer's limiter: that one guards its thread pool, these hold no thread.
@@ -248,7 +250,7 @@ class HttpApi:
         try:
             return self.streams.acquire(client)
         except LimitReached as error:
-            raise ApiError(429, str(error)) from None
+            raise ApiError(429, str(error), reason="limit_reached") from None
 
     def _submit(self, requests: list[Request], release: Any) -> None:
         """Submits every prompt's request, or none: a full queue refuses the whole job (the
@@ -259,7 +261,7 @@ class HttpApi:
             except AdmissionError as error:
                 self._abort(requests[:count])  # never the unsubmitted: they would stay queued
                 release()
-                raise ApiError(429, str(error)) from None
+                raise ApiError(429, str(error), reason="queue_full") from None
 
     def _abort(self, requests: Sequence[Request]) -> None:
         for request in requests:
@@ -297,8 +299,7 @@ class HttpApi:
             else:
                 if message.HasField("usage"):
                     answer.add_usage(index, message.usage)
-                chunk = answer.chunk(index, message)
-                if chunk is not None:
+                for chunk in answer.chunks(index, message):
                     yield _event(chunk)
             item = await queue.get()
         if remaining == 0 and answer.job.include_usage:
@@ -380,7 +381,7 @@ async def _error_response(http: HttpRequest, error: Exception) -> Response:
 
 
 # Refusal reasons by status, where the error names no known field (gateway/refusals.py).
-_STATUS_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found",
+_STATUS_REASONS = {400: "invalid_argument", 401: "unauthorized", 404: "not_found",
                    405: "method_not_allowed", 413: "body_too_large", 429: "limit_reached"}
 
 

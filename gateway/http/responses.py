@@ -27,6 +27,7 @@ class Choice:
     index: int
     texts: list[str] = field(default_factory=list)  # whole answers only
     streamed_chars: int = 0  # streams: text sent so far (logprobs' text_offset)
+    streamed_tokens: int = 0  # streams: tokens sent so far (continuous usage)
     logprobs: list[gateway_pb2.PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -46,7 +47,6 @@ class Answer:
         self.choices = [Choice(i) for i in range(len(job.requests) * job.n)]
         self._usage = [gateway_pb2.Usage() for _ in job.requests]
         self._prompt_tokens = list(prompt_tokens) or [0] * len(job.requests)
-        self._generated = [0] * len(job.requests)  # tokens streamed so far, per prompt
         self._started: set[int] = set()  # choices whose first chunk was sent
 
     # ----- shared ------------------------------------------------------------------------
@@ -96,14 +96,16 @@ class Answer:
 
     # ----- streamed ----------------------------------------------------------------------
 
-    def chunk(self, prompt_index: int, message: gateway_pb2.GenerateResponse
-              ) -> dict[str, Any] | None:
-        """The stream chunk of one message (None when it carries no output)."""
+    def chunks(self, prompt_index: int, message: gateway_pb2.GenerateResponse
+               ) -> list[dict[str, Any]]:
+        """The stream chunks of one message: one with every choice that progressed (none
+        when nothing did), or with continuous_usage_stats one per choice, each with that
+        choice's usage so far (vLLM's: a chunk's usage is its choice's)."""
         choices = []
         for output in message.outputs:
-            self._generated[prompt_index] += len(output.token_ids)
             index = prompt_index * self.job.n + output.index
             choice = self.choices[index]
+            choice.streamed_tokens += len(output.token_ids)
             text = output.text
             first = index not in self._started
             if first:
@@ -125,15 +127,18 @@ class Answer:
             entry["finish_reason"] = reason
             choices.append(entry)
         if not choices:
-            return None
+            return []
+        if self.job.continuous_usage:
+            prompt = self._prompt_tokens[prompt_index]
+            return [{**self._head(True), "choices": [entry], "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": self.choices[entry["index"]].streamed_tokens,
+                "total_tokens": prompt + self.choices[entry["index"]].streamed_tokens}}
+                for entry in choices]
         chunk = {**self._head(True), "choices": choices}
-        if self.job.continuous_usage:  # vLLM's: the prompt's usage so far, all its outputs
-            prompt, completion = self._prompt_tokens[prompt_index], self._generated[prompt_index]
-            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                              "total_tokens": prompt + completion}
-        elif self.job.include_usage:
+        if self.job.include_usage:
             chunk["usage"] = None
-        return chunk
+        return [chunk]
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""

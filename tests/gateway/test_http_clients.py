@@ -31,7 +31,6 @@ MODEL = "SmolLM2-135M-Instruct"  # what the captured clients were told to ask fo
 # Headers a replay must not copy: the transport's own, and encodings httpx may not decode.
 _SKIPPED_HEADERS = {"host", "content-length", "accept-encoding", "connection"}
 MAX_NEW_TOKENS = 24
-_replayed: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +75,6 @@ def test_captured_client_request_is_served(http: httpx.Client, path: Path) -> No
     fixture = json.loads(path.read_text())
     response = replay(http, fixture)
     assert response.is_success, (response.status_code, response.text)
-    _replayed.append(path.stem)
     body = fixture.get("body")
     if fixture["method"] == "GET":
         if fixture["path"] == "/v1/models":  # clients take the first entry's id
@@ -112,12 +110,36 @@ def test_captured_client_request_is_served(http: httpx.Client, path: Path) -> No
         assert all(c.get("usage") is None for c in chunks)
 
 
-def test_every_captured_request_was_replayed() -> None:
-    """The parametrized replays above reached the server, one per fixture (a glob that found
-    nothing would prove nothing)."""
-    clients = {p.stem.split("__")[0] for p in FIXTURE_FILES}
-    assert {"guidellm", "openai_sdk", "langchain", "vllm_bench"} <= clients
-    assert sorted(_replayed) == sorted(p.stem for p in FIXTURE_FILES)
+def test_the_captured_requests_cover_each_client() -> None:
+    """The replays above have fixtures to replay (a glob that found nothing would prove
+    nothing): every client's chat and completions bodies."""
+    stems = {p.stem for p in FIXTURE_FILES}
+    for client in ("guidellm", "openai_sdk", "vllm_bench"):
+        assert {f"{client}__chat__stream", f"{client}__completions__stream"} <= stems, client
+    assert {"langchain__chat__stream", "langchain__chat__nostream"} <= stems
+
+
+def test_continuous_usage_is_each_chunk_s_choice_s_so_far(http: httpx.Client) -> None:
+    """Two prompts, two outputs each: every chunk holds one choice, and its usage counts that
+    choice's prompt and the tokens of that choice the client has received (counted from the
+    chunks' logprobs, one entry per token)."""
+    prompts = [[300 + i for i in range(5)], [400 + i for i in range(9)]]
+    response = http.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 6, "logprobs": 0,
+        "stream": True, "stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True}})
+    chunks = sse_chunks(response.text)
+    received = [0] * 4
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        index = choice["index"]
+        received[index] += len(choice["logprobs"]["tokens"])
+        prompt = len(prompts[index // 2])
+        assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": received[index],
+                                  "total_tokens": prompt + received[index]}
+    assert received == [6, 6, 6, 6]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
+    assert chunks[-1]["usage"]["prompt_tokens"] == 5 + 9
 
 
 # vLLM's extras at the values that ask for nothing (served), and at one that asks for
@@ -222,3 +244,28 @@ def test_model_info_shows_defaults_and_chat_template(stack: Stack) -> None:
     # The default model's generation config (its model card's sampling), and the override.
     expected = gateway_pb2.SamplingParams(temperature=0.2, top_p=0.9, max_tokens=MAX_NEW_TOKENS)
     assert info.default_sampling_params == expected
+
+
+def sampled_rows(stack: Stack, send: Any) -> set[tuple[float, float]]:
+    """The (temperature, top_p) of every row the runner sampled for what `send` sends."""
+    stack.wait_idle()
+    stack.runner.batches.clear()
+    send()
+    return {(round(t, 5), round(p, 5)) for batch in stack.runner.batches
+            for t, p, sample in zip(batch.temperatures, batch.top_ps, batch.do_sample,
+                                    strict=True) if sample}
+
+
+def test_a_request_s_own_sampling_beats_the_model_s_which_beats_openai_s(
+        stack: Stack, http: httpx.Client) -> None:
+    """What reaches the runner: the generation config's 0.2 / 0.9 for a request that says
+    nothing, the request's own values (0 included) where it says them, over both APIs."""
+    model_defaults = {(0.2, 0.9)}
+    assert sampled_rows(stack, lambda: _request(http, "completions", {})) == model_defaults
+    assert sampled_rows(stack, lambda: stack.client.complete("hi", max_tokens=2)) == (
+        model_defaults)
+    assert sampled_rows(stack, lambda: _request(http, "chat", {"temperature": 0.7})) == {
+        (0.7, 0.9)}
+    assert sampled_rows(stack, lambda: stack.client.complete(
+        "hi", max_tokens=2, temperature=0.0, top_p=1.0)) == {(0.0, 1.0)}
+
