@@ -193,8 +193,9 @@ def add_generation_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default=FROM_MODEL,
                         help=f"default sampling parameters: {FROM_MODEL} (the model's "
                              f"generation_config.json), {OPENAI_DEFAULTS} (OpenAI's defaults "
-                             "only) or a folder holding a generation_config.json; a request's "
-                             "own parameters always win (docs/api.md)")
+                             "only; vllm is taken as its vLLM name) or a folder holding a "
+                             "generation_config.json; a request's own parameters always win "
+                             "(docs/api.md)")
     parser.add_argument("--override-generation-config", default="", type=_override,
                         help='JSON of generation-config fields over those defaults, e.g. '
                              '\'{"temperature": 0.5, "max_new_tokens": 512}\' (null drops one)')

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.validation import InvalidRequest, Limits, sampling_config
 from protos import gateway_pb2
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-# --generation-config values besides a folder.
+# --generation-config values besides a folder ("vllm" is vLLM's name for "openai": its own
+# defaults, which are OpenAI's).
 FROM_MODEL = "auto"
 OPENAI_DEFAULTS = "openai"
+_OPENAI_ALIASES = (OPENAI_DEFAULTS, "vllm")
 # generation_config.json name -> SamplingParams field.
 GENERATION_FIELDS = {
     "temperature": "temperature",
@@ -66,8 +69,6 @@ class SamplingDefaults:
         merged.CopyFrom(self.params)
         merged.ClearField("max_tokens")
         merged.MergeFrom(params)  # a field set in the request wins
-        if not params.HasField("max_tokens"):
-            merged.ClearField("max_tokens")
         return merged
 
     def as_dict(self) -> dict[str, float | int]:
@@ -85,7 +86,7 @@ def load_defaults(model_folder: Path, generation_config: str = FROM_MODEL,
                   override: dict[str, Any] | None = None) -> SamplingDefaults:
     """The defaults that `--generation-config` and `--override-generation-config` give for the
     model in `model_folder`; GenerationConfigError names what is wrong."""
-    if generation_config == OPENAI_DEFAULTS:
+    if generation_config in _OPENAI_ALIASES:
         values: dict[str, Any] = {}
         source = "OpenAI's defaults"
     else:
@@ -114,13 +115,16 @@ def parse_override(text: str) -> dict[str, Any]:
     if unknown:
         raise GenerationConfigError(
             f"unknown field {unknown[0]!r}; it takes {', '.join(GENERATION_FIELDS)}")
+    _sampling_params(value, "the override")  # its values alone must be valid: said now
     return value
 
 
 def _read_generation_config(path: Path, required: bool) -> dict[str, Any]:
     if not path.is_file():
         if required:
-            raise GenerationConfigError(f"--generation-config: {path} does not exist")
+            raise GenerationConfigError(
+                f"--generation-config: {path} does not exist (give {FROM_MODEL}, "
+                f"{OPENAI_DEFAULTS} or a folder holding {GENERATION_CONFIG_FILE})")
         return {}
     try:
         config = json.loads(path.read_text())
@@ -151,5 +155,27 @@ def _sampling_params(values: dict[str, Any], source: str) -> gateway_pb2.Samplin
             value = int(value)
         elif value < 0:
             raise GenerationConfigError(f"{name} in {source} must be >= 0, got {value}")
-        setattr(params, GENERATION_FIELDS[name], value)
+        field = GENERATION_FIELDS[name]
+        try:
+            setattr(params, field, value)
+        except ValueError:  # past uint32
+            raise GenerationConfigError(f"{name} in {source} is too large: {value}") from None
+        if not math.isfinite(getattr(params, field)):  # past float32
+            raise GenerationConfigError(f"{name} in {source} is too large: {value}")
+    _check_ranges(params, source)
     return params
+
+
+# The model-independent checks of a request's sampling parameters (top_k against the
+# vocabulary waits for the runner's; the servicer checks the whole).
+_ANY_MODEL = Limits(vocab_size=(1 << 32) - 1, max_len=1 << 31, max_n=1)
+
+
+def _check_ranges(params: gateway_pb2.SamplingParams, source: str) -> None:
+    without_cap = gateway_pb2.SamplingParams()
+    without_cap.CopyFrom(params)
+    without_cap.ClearField("max_tokens")  # a cap, never a request's max_tokens
+    try:
+        sampling_config(without_cap, 0, _ANY_MODEL, 0)
+    except InvalidRequest as error:
+        raise GenerationConfigError(f"{source}: {error}") from None

@@ -66,6 +66,7 @@ def test_override_applies_on_top_and_null_drops_a_default(tmp_path: Path) -> Non
 def test_openai_mode_ignores_the_model_and_a_folder_mode_reads_another(tmp_path: Path) -> None:
     folder = model_folder(tmp_path, {"temperature": 0.6})
     assert load_defaults(folder, "openai").as_dict() == {}
+    assert load_defaults(folder, "vllm").as_dict() == {}  # vLLM's name for the same
     other = tmp_path / "other"
     other.mkdir()
     (other / "generation_config.json").write_text('{"min_p": 0.05}')
@@ -101,6 +102,10 @@ def test_top_k_off_values_set_nothing(tmp_path: Path) -> None:
     ("{", "not JSON"),
     ("[1]", "not a JSON object"),
     ('{"temprature": 0.5}', "unknown field 'temprature'"),
+    # Values are checked when the flag is read, not at the first request.
+    ('{"top_p": 1.5}', r"the override: top_p must be in \(0, 1\]"),
+    ('{"top_k": 5000000000}', "top_k in the override is too large"),
+    ('{"temperature": 1e39}', "temperature in the override is too large"),
 ])
 def test_bad_overrides_are_named(text: str, match: str) -> None:
     with pytest.raises(GenerationConfigError, match=match):
