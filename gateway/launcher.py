@@ -216,8 +216,10 @@ class Launcher:
         return f"{self.config.host}:{self.config.port}"
 
     def start(self) -> None:
-        """Starts the three services in dependency order, each kind at once (every runner
-        loads while the others do, every gateway likewise); raises if one fails to come up."""
+        """Starts the three services in dependency order; raises if one fails to come up.
+        Runners start one after another: the first converts a GGUF model into the cache for
+        the others, and each measures its kernels (--linear-backend auto) on quiet cores. The
+        gateways, which measure nothing, start together."""
         # Only the gateway may face the network: the internal services take orders from
         # gateways alone, so they stay on loopback whatever --host says.
         host = INTERNAL_HOST
@@ -229,15 +231,13 @@ class Launcher:
                               "--journal-dir", str(self.journal_dir),
                               "--nice", str(self.config.services_nice)],
             block_address, self.log_dir / "block_service.log")])
-        runners = []
         for index in range(self.config.runners):
             port = free_port(host)
             name = "gpu_runner" if self.config.runners == 1 else f"gpu_runner-{index}"
-            runners.append(Child(
+            self._start_children([Child(
                 name, [*py, "gpu_runner", "--host", host, "--port", str(port),
                        "--block-service", block_address, *self._runner_flags()],
-                f"{host}:{port}", self.log_dir / f"{name}.log"))
-        self._start_children(runners)
+                f"{host}:{port}", self.log_dir / f"{name}.log")])
         gateways = []
         for index in range(self.config.gateways):
             name = "gateway" if self.config.gateways == 1 else f"gateway-{index}"
@@ -304,8 +304,8 @@ class Launcher:
                 if is_serving(child.address):
                     waiting.remove(child)
             if waiting and (time.monotonic() > deadline or self._stop_requested.is_set()):
-                raise RuntimeError(f"{waiting[0].name} did not start:\n"
-                                   f"{waiting[0].log_tail()}")
+                raise RuntimeError("did not start: " + "\n".join(
+                    f"{child.name}:\n{child.log_tail()}" for child in waiting))
             if waiting:
                 time.sleep(0.2)
 
