@@ -15,16 +15,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 import pytest
 from google.protobuf import json_format
+from transformers import AutoTokenizer
 
 from common.model_store import resolve_model
 from gateway.client import PagewireClient
 from gateway.launcher import is_serving
-from gateway.tokenizer import ChatMessage, Tokenizer
 from protos import gateway_pb2, gateway_pb2_grpc
 from tests.e2e import oracle
 from tests.e2e.conftest import kv_bytes_for_blocks
@@ -41,12 +42,17 @@ def pagewire(*args: str) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", *args]
 
 
-def chat_answer(tokenizer: Tokenizer, conversation: list[tuple[str, str]]) -> str:
-    """transformers' greedy answer to a chat, as pagewire streams it (special tokens out)."""
-    prompt_ids = tokenizer.encode_chat([ChatMessage(role, text) for role, text in conversation])
+def chat_answer(tokenizer: Any, conversation: list[tuple[str, str]]) -> str:
+    """transformers' greedy answer to a chat, its prompt rendered by transformers' own chat
+    template (not pagewire's tokenizer), decoded as pagewire streams it (special tokens
+    out)."""
+    text = tokenizer.apply_chat_template([{"role": role, "content": content}
+                                          for role, content in conversation],
+                                         tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     tokens = oracle.greedy(prompt_ids, ORACLE_TOKENS)
     assert tokens[-1] == tokenizer.eos_token_id, "the oracle did not reach the answer's end"
-    return tokenizer.decode(tokens)
+    return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
 
 def assert_sentences(text: str) -> None:
@@ -90,7 +96,7 @@ def test_banner_commands_answer_in_chat_sentences_then_ctrl_c_stops_all(tmp_path
         assert "Paris" in shown.split(BANNER)[0]
         assert f"{BANNER} SmolLM2-135M-Instruct on 127.0.0.1:{port}" in shown
         address = f"127.0.0.1:{port}"
-        tokenizer = Tokenizer(resolve_model(None))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
         commands = banner_commands(shown)
         assert set(commands) == {"pagewire generate", "pagewire chat", "grpcurl", "curl"}
 
@@ -113,7 +119,7 @@ def test_banner_commands_answer_in_chat_sentences_then_ctrl_c_stops_all(tmp_path
         raw = subprocess.run(pagewire(*words[1:-1], "--raw", "--max-tokens", "16", words[-1]),
                              cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
         raw_ids = oracle.greedy(tokenizer.encode(words[-1]), 16)
-        assert raw.stdout.strip() == tokenizer.decode(raw_ids).strip()
+        assert raw.stdout.strip() == tokenizer.decode(raw_ids, skip_special_tokens=True).strip()
 
         # pagewire chat: a conversation that remembers its first turn.
         first, second = "What is the capital of France?", "And what is it famous for?"
