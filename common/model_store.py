@@ -264,10 +264,15 @@ def gguf_tensors(gguf_path: Path) -> dict[str, np.ndarray]:
     return dict(_hf_tensors(reader, arch, heads, kv_heads, gguf_path))
 
 
-@functools.lru_cache(maxsize=2)
 def _reader(gguf_path: Path) -> GGUFReader:
     """The file's reader, parsed once per conversion (parsing SmolLM2's metadata, its 49152
-    tokens and merges, takes ~3 s here)."""
+    tokens and merges, takes ~3 s here); a file replaced in place is parsed again."""
+    stat = gguf_path.stat()
+    return _parsed(gguf_path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(gguf_path: Path, size: int, mtime_ns: int) -> GGUFReader:
     from gguf import GGUFReader
 
     return GGUFReader(str(gguf_path))
