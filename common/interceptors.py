@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -44,3 +44,23 @@ class UnaryInterceptor(grpc.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
         return wrapped
+
+
+class AsyncAdapter(grpc.aio.ServerInterceptor):
+    """A synchronous interceptor on an asyncio server (grpc.aio takes only its own kind).
+
+    The handlers it wraps must be synchronous ones (run on the server's migration thread
+    pool): pagewire's interceptors wrap unary handlers, and an asyncio server's unary
+    handlers are synchronous; its coroutine handlers pass through unchanged.
+    """
+
+    def __init__(self, inner: grpc.ServerInterceptor) -> None:
+        self._inner = inner
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        return self._inner.intercept_service(lambda _: handler, details)

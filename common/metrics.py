@@ -35,6 +35,8 @@ class MetricsInterceptor(UnaryInterceptor):
         ok_total = RPC_TOTAL.labels(method, "OK")
 
         def timed(request: Any, context: grpc.ServicerContext) -> Any:
+            if not hasattr(context, "code"):  # a synchronous handler on a grpc.aio server
+                context = _CodeKeeping(context)
             start = time.perf_counter()
             try:
                 return inner(request, context)
@@ -45,3 +47,26 @@ class MetricsInterceptor(UnaryInterceptor):
                 total.inc()
 
         return timed
+
+
+class _CodeKeeping:
+    """A servicer context that remembers the status code set on it (grpc.aio's context for
+    synchronous handlers has no code() to read it back)."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._code: grpc.StatusCode | None = None
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+        self._context.set_code(code)
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        self._context.abort(code, details)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import hmac
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,12 +70,19 @@ class ClientTls:
 def _refusal(handler: grpc.RpcMethodHandler, message: str,
              on_refusal: Callable[[str, str], None] | None = None) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED (telling
-    `on_refusal` the caller's peer and the message first)."""
+    `on_refusal` the caller's peer and the message first); a coroutine one where `handler`'s
+    behavior is a coroutine or async generator (a grpc.aio server runs those on its loop,
+    where a synchronous abort would wait for the loop forever)."""
 
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
         if on_refusal is not None:
             on_refusal(context.peer(), message)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def abort_async(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if on_refusal is not None:
+            on_refusal(context.peer(), message)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kinds: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
         "unary_unary": grpc.unary_unary_rpc_method_handler,
@@ -83,9 +91,12 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str,
         "stream_stream": grpc.stream_stream_rpc_method_handler,
     }
     for kind, make in kinds.items():
-        if getattr(handler, kind) is not None:
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            asynchronous = (inspect.iscoroutinefunction(behavior)
+                            or inspect.isasyncgenfunction(behavior))
             return make(
-                abort,
+                abort_async if asynchronous else abort,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

@@ -9,6 +9,7 @@ period, exit 0).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.faults import interceptors_from_env
+from common.interceptors import AsyncAdapter
 from common.metrics import MetricsInterceptor, start_metrics_server
 from common.security import ServerTls, TokenAuthInterceptor, read_tokens
 
@@ -147,13 +149,13 @@ class GrpcService:
 
     def __init__(
         self,
-        server: grpc.Server,
+        stop_server: Callable[[float], None],
         port: int,
         health_servicer: health.HealthServicer,
         service_names: Sequence[str],
         grace_s: float,
     ) -> None:
-        self.server = server
+        self._stop_server = stop_server
         self.port = port
         self._health = health_servicer
         self._service_names = list(service_names)
@@ -173,7 +175,7 @@ class GrpcService:
     def stop(self, grace_s: float | None = None) -> None:
         """Stops accepting calls and waits up to the grace period for in-flight ones."""
         self.set_serving(False)
-        self.server.stop(self.grace_s if grace_s is None else grace_s).wait()
+        self._stop_server(self.grace_s if grace_s is None else grace_s)
         self._stopped.set()
 
     def wait(self) -> None:
@@ -183,16 +185,21 @@ class GrpcService:
 
 def start_server(
     options: ServerOptions,
-    register: Callable[[grpc.Server], None],
+    register: Callable[[grpc.Server | grpc.aio.Server], None],
     service_names: Sequence[str],
     serving: bool = True,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> GrpcService:
     """Builds, binds and starts a server with health, reflection and metrics.
 
     `register` adds the service's servicers; `service_names` are their full names (e.g.
     `block_pb2.DESCRIPTOR.services_by_name["BlockService"].full_name`) for health and
     reflection. With `serving=False` health says NOT_SERVING until set_serving(True).
+
+    With `loop` (running on another thread), the server is a grpc.aio one on that loop: its
+    coroutine handlers hold no thread while they wait, and its synchronous handlers (health,
+    unary methods) run on a pool of --max-workers threads as the threaded server's do.
     """
     message_options = [
         ("grpc.max_receive_message_length", options.max_message_bytes),
@@ -201,27 +208,49 @@ def start_server(
     ]
     auth = ([TokenAuthInterceptor(options.auth_tokens, options.on_auth_refusal)]
             if options.auth_tokens else [])
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=options.max_workers),
-        interceptors=[*auth, MetricsInterceptor(), *interceptors, *interceptors_from_env()],
-        options=message_options,
-    )
-    register(server)
+    all_interceptors = [*auth, MetricsInterceptor(), *interceptors, *interceptors_from_env()]
+    pool = futures.ThreadPoolExecutor(max_workers=options.max_workers)
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
     address = f"{options.host}:{options.port}"
-    if options.tls is not None:
-        port = server.add_secure_port(address, options.tls.credentials())
+
+    def build(server: grpc.Server | grpc.aio.Server) -> int:
+        register(server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        if options.tls is not None:
+            port = server.add_secure_port(address, options.tls.credentials())
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind {options.host}:{options.port}")
+        return port
+
+    stop_server: Callable[[float], None]
+    if loop is None:
+        server = grpc.server(pool, interceptors=all_interceptors, options=message_options)
+        port = build(server)
+        server.start()
+
+        def stop_server(grace_s: float) -> None:
+            server.stop(grace_s).wait()
     else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {options.host}:{options.port}")
-    server.start()
+        async def start_aio() -> tuple[grpc.aio.Server, int]:
+            server = grpc.aio.server(
+                migration_thread_pool=pool, options=message_options,
+                interceptors=[AsyncAdapter(interceptor) for interceptor in all_interceptors])
+            port = build(server)
+            await server.start()
+            return server, port
+
+        aio_server, port = asyncio.run_coroutine_threadsafe(start_aio(), loop).result()
+
+        def stop_server(grace_s: float) -> None:
+            asyncio.run_coroutine_threadsafe(aio_server.stop(grace_s), loop).result()
+            pool.shutdown(wait=False)
     start_metrics_server(options.metrics_port, options.host)
-    service = GrpcService(server, port, health_servicer, service_names, options.grace_s)
+    service = GrpcService(stop_server, port, health_servicer, service_names, options.grace_s)
     service.set_serving(serving)
     log.info("listening on %s:%d", options.host, port)
     return service

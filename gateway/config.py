@@ -14,6 +14,7 @@ from gateway.validation import (
     MAX_PROMPT_TOKENS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    MAX_STREAM_INTERVAL,
     MAX_TOKENS_LIMIT,
 )
 
@@ -58,6 +59,7 @@ class GatewayConfig:
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 64
     max_waiting: int = 1024
+    stream_interval: int = 1  # tokens per message when a request does not say
     max_n: int = 16
     # Limits on what one client may ask (each refusal names its flag).
     max_prompt_tokens: int = MAX_PROMPT_TOKENS
@@ -106,6 +108,8 @@ class GatewayConfig:
                 raise ValueError(f"{flag} must be >= 1")
         if self.max_stop_strings < 0:
             raise ValueError("--max-stop-strings must be >= 0")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"--stream-interval must be in [1, {MAX_STREAM_INTERVAL}]")
         if self.routing not in ROUTING:
             raise ValueError(f"--routing {self.routing!r}: expected one of {', '.join(ROUTING)}")
         if not 0 <= self.http_port <= 65535:
@@ -144,6 +148,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences running at once")
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                         help="requests queued before RESOURCE_EXHAUSTED")
+    parser.add_argument("--stream-interval", type=int, default=defaults.stream_interval,
+                        help="tokens per streamed message when a request does not set "
+                             "stream_interval: the first at once, then every N (larger N "
+                             "costs less CPU per token; a slow reader gets fewer, larger "
+                             "messages anyway)")
     parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n per request")
     parser.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens,
                         help="longest prompt in tokens")
@@ -222,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
+        stream_interval=args.stream_interval,
         max_n=args.max_n,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,

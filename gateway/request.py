@@ -1,19 +1,23 @@
 """One Generate request: its sequences, the text each output streams, its usage.
 
-The engine thread feeds sampled tokens in (`add_token`), then calls `flush` once per step to
-put one GenerateResponse on the request's stream queue (with `final_only`, at the end only, or
-in parts of about FINAL_ONLY_PART_BYTES); the servicer's thread reads the queue. Everything
-else here is only touched by the engine thread.
+The runner loop's thread feeds sampled tokens in (`add_token`), then calls `flush` once per
+step, which puts the progress on the request's stream (gateway/delivery.py) as one
+GenerateResponse when a message is due: the first tokens at once, then every
+`stream_interval` tokens, and always the end. A reader that falls behind (MAX_UNREAD messages
+not taken yet) gets nothing more until it catches up: the progress waits in the outputs and
+goes out merged into one message, so coalescing never drops, repeats or reorders anything and
+what a slow stream holds stays bounded by its own output. With `final_only`, the outputs are
+sent at the end only (or in parts of about FINAL_ONLY_PART_BYTES). Everything else here is only
+touched by the runner loop's thread.
 """
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from gateway.detokenizer import DecodeFn, IncrementalDetokenizer
+from gateway.delivery import MessageSink, Outbox, StreamError, ThreadSink
+from gateway.detokenizer import DecodeBatchFn, DecodeFn, IncrementalDetokenizer
 from gateway.sequence import SamplingConfig, SeqStatus
 from gateway.sequence import Sequence as Seq
 from gateway.stop import StopStringMatcher
@@ -31,6 +35,10 @@ FINAL_ONLY_PART_BYTES = 1 << 20
 _TOKEN_ID_BYTES = 5
 _TOKEN_LOGPROB_BYTES = 16
 
+# Messages a stream's reader may leave untaken before the request holds its progress back
+# (merged into the next message it sends).
+MAX_UNREAD = 1
+
 # Seeds of the n outputs are spread by the 64-bit golden ratio so that neighbouring request
 # seeds do not give overlapping output seeds.
 _SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -40,21 +48,6 @@ _U64 = (1 << 64) - 1
 def output_seed(request_seed: int, index: int) -> int:
     """The seed of output `index` of a request seeded with `request_seed`."""
     return (request_seed + index * _SEED_STRIDE) & _U64
-
-
-class MessageSink(Protocol):
-    """Where a request's messages go (from the engine thread): a queue.Queue for the gRPC
-    servicer's thread, an asyncio bridge for the HTTP API (gateway/http/app.py)."""
-
-    def put(self, item: gateway_pb2.GenerateResponse | StreamError | None) -> None: ...
-
-
-@dataclass
-class StreamError:
-    """Ends a stream with a gRPC status instead of a last message."""
-
-    code_name: str  # a grpc.StatusCode name, e.g. "UNAVAILABLE"
-    message: str
 
 
 @dataclass
@@ -137,7 +130,8 @@ class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingConfig,
                  max_len: int, eos_ids: frozenset[int], decode: DecodeFn,
                  cache_salt: str = "", public_id: str = "", final_only: bool = False,
-                 stream: MessageSink | None = None) -> None:
+                 stream: MessageSink | None = None, stream_interval: int = 1,
+                 decode_batch: DecodeBatchFn | None = None) -> None:
         self.request_id = request_id  # unique inside the gateway
         self.public_id = public_id or request_id  # what the client sees
         self.prompt_ids = prompt_ids
@@ -146,6 +140,11 @@ class Request:
         self.eos_ids = eos_ids
         self.cache_salt = cache_salt
         self.final_only = final_only  # one message, at the end
+        self.stream_interval = stream_interval  # tokens per message, at most (the last aside)
+        # Decodes many token windows at once (the runner loop's per-step pass).
+        self.decode_batch: DecodeBatchFn = decode_batch or (
+            lambda windows: [decode(window) for window in windows])
+        self._sent_any = False
         self.sequences = self._make_sequences()
         self.outputs = [
             OutputState(i, decode, prompt_ids, params.stop) for i in range(params.n)
@@ -154,7 +153,7 @@ class Request:
         # What its runner was expected to hold of the prompt when it was placed there (Route):
         # the rest is the work it queues there (load reports, runner_loop.py).
         self.expected_cached_tokens = 0
-        self.stream: MessageSink = stream if stream is not None else queue.Queue()
+        self.stream: MessageSink = stream if stream is not None else ThreadSink()
         self.closed = False
 
     def _make_sequences(self) -> list[Seq]:
@@ -186,6 +185,14 @@ class Request:
 
     def add_token(self, seq: Seq, token_id: int, logprobs: TokenLogprobs | None) -> bool:
         """Appends a sampled token to `seq` and its output; True when the output ended."""
+        if self.take_token(seq, token_id, logprobs):
+            return True
+        return self.take_text(seq, self.outputs[seq.index].detokenizer.add(()))
+
+    def take_token(self, seq: Seq, token_id: int, logprobs: TokenLogprobs | None) -> bool:
+        """The first half of add_token: the token without its text, which the caller
+        decodes (with the step's other rows: detokenizer.new_texts) and gives to `take_text`
+        unless this returns True (the output ended on a stop token)."""
         output = self.outputs[seq.index]
         seq.token_ids.append(token_id)
         position = None
@@ -198,10 +205,16 @@ class Request:
         ):
             output.finish(STOP)  # the stop token stays out of the text
             return True
-        output.add_text(output.detokenizer.add([token_id]))
+        output.detokenizer.extend((token_id,))
+        return False
+
+    def take_text(self, seq: Seq, text: str) -> bool:
+        """The second half of add_token: the new token's text; True when the output ended."""
+        output = self.outputs[seq.index]
+        output.add_text(text)
         if output.stop_matcher.stopped:
             output.finish(STOP)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_len:
+        elif seq.num_output_tokens >= self.params.max_tokens or seq.num_tokens >= self.max_len:
             output.finish(LENGTH)
         return output.finished
 
@@ -216,46 +229,68 @@ class Request:
             cached_tokens=self.cached_tokens,
         )
 
-    def flush(self) -> None:
-        """Puts one message with every output's progress on the stream (the last one with
-        usage, then the end marker); with final_only, nothing until the request ends, unless
-        what the outputs hold may reach FINAL_ONLY_PART_BYTES."""
+    def flush(self, outbox: Outbox | None = None) -> None:
+        """Puts one message with every output's progress on the stream when one is due (the
+        last one with usage, then the end marker), through `outbox` when given."""
         if self.closed:
             return
         done = self.finished
-        if self.final_only and not done and sum(
-                output.held_bytes for output in self.outputs) < FINAL_ONLY_PART_BYTES:
+        if not done and not self._message_due():
             return
-        deltas = [d for d in (o.take_delta() for o in self.outputs) if d is not None]
+        deltas = self._take_deltas()
         if not deltas and not done:
             return
         message = gateway_pb2.GenerateResponse(request_id=self.public_id, outputs=deltas)
         if done:
             message.usage.CopyFrom(self.usage())
-        self.stream.put(message)
+        self._put(message, outbox)
+        self._sent_any = True
         if done:
-            self.close()
+            self.close(outbox)
+
+    def _take_deltas(self) -> list[gateway_pb2.CompletionOutput]:
+        return [d for d in (o.take_delta() for o in self.outputs) if d is not None]
+
+    def _message_due(self) -> bool:
+        """Whether the progress so far goes out now (the request has not ended)."""
+        if self.final_only:
+            return sum(output.held_bytes for output in self.outputs) >= FINAL_ONLY_PART_BYTES
+        if self.stream.unread >= MAX_UNREAD:
+            return False  # the reader is behind: merge into a later message
+        if not self._sent_any or self.stream_interval == 1:
+            return True
+        return (max(len(output.pending_ids) for output in self.outputs) >= self.stream_interval
+                or any(output.finished and not output.reported_finish
+                       for output in self.outputs))
 
     def fail(self, code_name: str, message: str) -> None:
         """Ends the stream with an error status."""
         if self.closed:
             return
+        if not self.final_only:  # what coalescing held back still reaches the reader
+            deltas = self._take_deltas()
+            if deltas:
+                self._put(gateway_pb2.GenerateResponse(request_id=self.public_id,
+                                                       outputs=deltas), None)
         self.abort_outputs()
-        self.stream.put(StreamError(code_name, message))
+        self._put(StreamError(code_name, message), None)
         self.close()
 
-    def close(self) -> None:
+    def close(self, outbox: Outbox | None = None) -> None:
         self.closed = True
-        self.stream.put(None)
+        self._put(None, outbox)
+
+    def _put(self, item: gateway_pb2.GenerateResponse | StreamError | None,
+             outbox: Outbox | None) -> None:
+        if outbox is None:
+            self.stream.put(item)
+        else:
+            outbox.put(self.stream, item)
 
     def messages(self) -> Iterator[gateway_pb2.GenerateResponse | StreamError]:
-        """The stream, for the servicer's thread: messages until the end marker."""
-        assert isinstance(self.stream, queue.Queue), "messages() reads the default queue"
-        while True:
-            item = self.stream.get()
-            if item is None:
-                return
-            yield item
+        """The stream, for a reader on its own thread: messages until the end marker."""
+        assert isinstance(self.stream, ThreadSink), "messages() reads a ThreadSink"
+        return self.stream.items()
 
 
 def _position_logprobs(token_id: int, logprobs: TokenLogprobs) -> gateway_pb2.PositionLogprobs:

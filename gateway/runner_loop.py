@@ -33,6 +33,8 @@ import grpc
 
 from gateway import metrics
 from gateway.config import GatewayConfig
+from gateway.delivery import Outbox
+from gateway.detokenizer import new_texts
 from gateway.request import Request, TokenLogprobs
 from gateway.retry import (
     BLOCK_SERVICE,
@@ -116,6 +118,8 @@ class RunnerLoop:
         self._session_id = ""
         self._step_id = 0
         self._requests: dict[str, Request] = {}  # loop thread only
+        # Each request's sampling row, made once when it arrives (loop thread only).
+        self._sampling_rows: dict[str, SamplingRow] = {}
         # Oldest first: at most two, the one running and the one queued behind it.
         self._in_flight: deque[InFlight] = deque()  # loop thread only
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="loop-execute")
@@ -173,6 +177,7 @@ class RunnerLoop:
             inbox, self._inbox = self._inbox, []
         requests = [*self._requests.values(), *inbox]
         self._requests = {}
+        self._sampling_rows = {}
         return [request for request in requests if not request.closed]
 
     def set_health_listener(self, listener: Callable[[bool], None] | None) -> None:
@@ -362,13 +367,19 @@ class RunnerLoop:
             aborts, self._aborts = self._aborts, set()
         for request in inbox:
             self._requests[request.request_id] = request
+            self._sampling_rows[request.request_id] = SamplingRow.from_config(request.params)
             self.scheduler.add(seq for seq in request.sequences
                                if seq.status is SeqStatus.WAITING)
         for request_id in aborts:
-            aborted = self._requests.pop(request_id, None)
+            aborted = self._requests.get(request_id)
             if aborted is not None:
+                self._forget(aborted)
                 self._end_request(aborted, "aborted")
         self._update_gauges()
+
+    def _forget(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        del self._sampling_rows[request.request_id]
 
     def _end_request(self, request: Request, outcome: str,
                      error: tuple[str, str] | None = None) -> None:
@@ -496,8 +507,9 @@ class RunnerLoop:
             if request is not None:
                 request.cached_tokens = max(request.cached_tokens, cached)
         for seq, error in outcome.failed:
-            request = self._requests.pop(seq.request_id, None)
+            request = self._requests.get(seq.request_id)
             if request is not None:
+                self._forget(request)
                 log.error("request %s failed in the block service: %s", seq.request_id, error)
                 self._end_request(request, "failed", ("INTERNAL", f"block service: {error}"))
         self._update_gauges()
@@ -506,10 +518,9 @@ class RunnerLoop:
                          pending_rows: Mapping[Sequence, int], after_step_id: int
                          ) -> runner_pb2.ExecuteRequest:
         assert self.info is not None
-        rows = {request_id: SamplingRow.from_config(r.params)
-                for request_id, r in self._requests.items()}
         request = build_execute_request(work, copies, self.info.epoch, self._session_id,
-                                        self._step_id, rows, pending_rows, after_step_id)
+                                        self._step_id, self._sampling_rows, pending_rows,
+                                        after_step_id)
         metrics.EXECUTES.inc()
         metrics.BATCH_SEQS.observe(len(work))
         metrics.BATCH_TOKENS.observe(len(request.token_ids))
@@ -540,18 +551,26 @@ class RunnerLoop:
         logprobs = _split_logprobs(reply)
         metrics.GENERATED_TOKENS.inc(len(sampled))
         touched: dict[str, Request] = {}
+        decoding: list[tuple[Request, Sequence]] = []  # rows whose token has text to decode
         for i, seq in enumerate(sampled):
             request = self._requests.get(seq.request_id)
             if request is None or seq.status is not SeqStatus.RUNNING:
                 continue
-            if request.add_token(seq, reply.token_ids[i], logprobs[i] if logprobs else None):
+            if request.take_token(seq, reply.token_ids[i], logprobs[i] if logprobs else None):
                 self.scheduler.finish(seq)
+            else:
+                decoding.append((request, seq))
             touched[request.request_id] = request
+        for (request, seq), text in zip(decoding, _decode_rows(decoding), strict=True):
+            if request.take_text(seq, text):
+                self.scheduler.finish(seq)
+        outbox = Outbox()  # the step's messages: one wake-up per reader's event loop
         for request in touched.values():
-            request.flush()
+            request.flush(outbox)
             if request.closed:
-                self._requests.pop(request.request_id, None)
+                self._forget(request)
                 metrics.REQUESTS.labels("finished").inc()
+        outbox.send()
 
     # ----- recovery ------------------------------------------------------------------------
 
@@ -588,6 +607,7 @@ class RunnerLoop:
         for request in list(self._requests.values()):
             self._end_request(request, "failed", (code_name, message))
         self._requests.clear()
+        self._sampling_rows.clear()
         self.scheduler.reset_all()
         self.scheduler.waiting.clear()
         self._needs_reset = True
@@ -607,6 +627,19 @@ def _backend_info(reply: runner_pb2.InfoResponse) -> BackendInfo:
         num_blocks=reply.num_blocks, block_size=reply.block_size, dtype=reply.dtype,
         device=reply.device, epoch=reply.epoch,
     )
+
+
+def _decode_rows(rows: list[tuple[Request, Sequence]]) -> list[str]:
+    """Each row's new text: one batched decode per tokenizer (all requests share one)."""
+    texts: list[str] = [""] * len(rows)
+    by_decoder: dict[Any, list[int]] = {}
+    for index, (request, _) in enumerate(rows):
+        by_decoder.setdefault(request.decode_batch, []).append(index)
+    for decode_batch, indices in by_decoder.items():
+        detokenizers = [rows[i][0].outputs[rows[i][1].index].detokenizer for i in indices]
+        for i, text in zip(indices, new_texts(detokenizers, decode_batch), strict=True):
+            texts[i] = text
+    return texts
 
 
 def _split_logprobs(reply: runner_pb2.ExecuteResponse) -> list[TokenLogprobs]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -49,6 +51,22 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+class EventLoopThread:
+    """The gateway's asyncio event loop, on a thread of its own: both public APIs (gRPC and
+    HTTP) serve their streams on it, and the runner loops hand it each step's messages in one
+    batch (gateway/delivery.py)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="event-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
 class Gateway:
     """A running gateway: its channels, engine and server."""
 
@@ -65,6 +83,7 @@ class Gateway:
         self.servicer: GenerationServicer | None = None
         self.http: HttpServer | None = None
         self._options = replace(options, on_auth_refusal=_auth_refused)
+        self._event_loop: EventLoopThread | None = None
 
     def start(self, timeout_s: float = 300.0) -> GrpcService:
         info = self.engine.start(timeout_s)
@@ -75,17 +94,20 @@ class Gateway:
         log.info("serving the model as %r; default sampling: %s (a request's own parameters "
                  "win)", servicer.served_model_name, self.defaults.describe())
         self.servicer = servicer
+        self._event_loop = EventLoopThread()
         self.service = start_server(
             self._options,
             lambda server: server.add_generic_rpc_handlers(
                 (lenient_handlers(servicer, SERVICE, gateway_pb2),)),
             [SERVICE_NAME],
+            loop=self._event_loop.loop,
         )
         # Health follows the backends: NOT_SERVING while the runner or block service is down.
         self.engine.set_health_listener(self.service.set_serving)
         if self.config.http_port:
             api = HttpApi(servicer, self._options)
-            self.http = HttpServer(api, self._options, self.config.http_port)
+            self.http = HttpServer(api, self._options, self.config.http_port,
+                                   self._event_loop.loop)
             self.http.start()
         return self.service
 
@@ -96,6 +118,8 @@ class Gateway:
             self.http.stop()
         if self.service is not None:
             self.service.stop()
+        if self._event_loop is not None:
+            self._event_loop.stop()
         self._block_channel.close()
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
 
 from gateway import refusals
+from gateway.delivery import AsyncSink, Item, MessageSink, StreamError
 from gateway.engine import AdmissionError, BackendInfo, Engine
-from gateway.request import MessageSink, Request, StreamError
+from gateway.request import Request
 from gateway.sampling_defaults import GenerationConfigError, SamplingDefaults
 from gateway.tokenizer import CHAT_ROLES, ChatMessage, Tokenizer
 from gateway.validation import (
@@ -24,6 +26,7 @@ from gateway.validation import (
     check_prompt_length,
     peer_key,
     sampling_config,
+    stream_interval,
 )
 from protos import gateway_pb2, gateway_pb2_grpc
 
@@ -63,43 +66,45 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             raise GenerationConfigError(
                 f"the default sampling parameters ({self.defaults.source}): {error}") from None
 
-    def Generate(self, request: gateway_pb2.GenerateRequest,
-                 context: grpc.ServicerContext) -> Iterator[gateway_pb2.GenerateResponse]:
+    async def Generate(self, request: gateway_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Streams a request's messages, on the gateway's event loop: a stream holds no
+        thread, and each step's messages arrive in one batch (gateway/delivery.py)."""
+        messages: asyncio.Queue[tuple[None, Item]] = asyncio.Queue()
+        sink = AsyncSink(asyncio.get_running_loop(), messages, None)
         try:
-            engine_request = self.build_request(request)
+            # Tokenizing a long prompt must not stall the other streams.
+            engine_request = await asyncio.to_thread(self.build_request, request, sink)
         except InvalidRequest as error:
-            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, error)
+            await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, error)
         client = peer_key(context.invocation_metadata(), context.peer(), self._tokens_checked)
         try:
             release = self.streams.acquire(client)
         except LimitReached as error:
-            _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error, "limit_reached")
-        # A cancelled call's slot is given back at once, not when the engine next steps (its
-        # thread may be busy in a long Execute).
-        context.add_callback(release)
+            await _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error, "limit_reached")
+        ended = False  # the stream ran to its end, or the request was never placed
         try:
-            yield from self._stream(engine_request, context)
-        finally:
-            release()
-
-    def _stream(self, engine_request: Request, context: grpc.ServicerContext
-                ) -> Iterator[gateway_pb2.GenerateResponse]:
-        """Submits a validated request and yields its messages until it ends."""
-        try:
-            self.engine.submit(engine_request)
-        except AdmissionError as error:
-            _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error, "queue_full")
-        context.add_callback(lambda: self.engine.abort(engine_request))
-        finished = False
-        try:
-            for message in engine_request.messages():
-                if isinstance(message, StreamError):
-                    context.abort(getattr(grpc.StatusCode, message.code_name), message.message)
+            try:
+                # Placing may ask the block service where to route (a blocking call).
+                await asyncio.to_thread(self.engine.submit, engine_request)
+            except AdmissionError as error:
+                ended = True
+                await _refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, error, "queue_full")
+            while True:
+                _, item = await messages.get()
+                sink.taken()
+                if item is None:
+                    ended = True
+                    return
+                if isinstance(item, StreamError):
+                    ended = True
+                    await context.abort(getattr(grpc.StatusCode, item.code_name), item.message)
                 else:
-                    yield message
-            finished = True
-        finally:
-            if not finished:  # the client went away mid-stream
+                    yield item
+        finally:  # however it ends: finished, failed, or cancelled by the client
+            release()
+            if not ended:  # the client went away: its blocks are freed in the next step
                 self.engine.abort(engine_request)
 
     def Tokenize(self, request: gateway_pb2.TokenizeRequest,
@@ -108,7 +113,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             token_ids = self.prompt_ids(request)
             check_prompt_length(len(token_ids), self.limits)
         except InvalidRequest as error:
-            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, error)
+            _refuse_now(context, grpc.StatusCode.INVALID_ARGUMENT, error)
         return gateway_pb2.TokenizeResponse(
             token_ids=token_ids, tokens=self.tokenizer.token_pieces(token_ids)
         )
@@ -158,9 +163,13 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             max_len=self.limits.max_len,
             eos_ids=frozenset(self._info.eos_token_ids),
             decode=self.tokenizer.decode,
+            decode_batch=self.tokenizer.decode_batch,
             cache_salt=request.cache_salt,
             final_only=request.final_only,
             stream=stream,
+            stream_interval=stream_interval(
+                request.stream_interval if request.HasField("stream_interval") else None,
+                self.engine.config.stream_interval),
         )
 
     def prompt_ids(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest
@@ -190,16 +199,29 @@ _REQUEST_FIELDS = frozenset(gateway_pb2.SamplingParams.DESCRIPTOR.fields_by_name
     gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name)
 
 
-def _refuse(context: grpc.ServicerContext, code: grpc.StatusCode, error: Exception,
-            reason: str = "") -> NoReturn:
-    """Logs and counts the refusal (gateway/refusals.py), then aborts the call with it."""
+def _refusal(context: grpc.ServicerContext | grpc.aio.ServicerContext,
+             code: grpc.StatusCode, error: Exception, reason: str) -> str:
+    """Logs and counts a refusal (gateway/refusals.py); returns the message to abort with."""
     message = str(error)
     if not reason:
         field = refusals.reason_label(message.split(" ", 1)[0].rstrip(":"))
         reason = field if field in _REQUEST_FIELDS else code.name.lower()
     refusals.record("grpc", code.name, reason, context.peer(), message)
-    context.abort(code, message)
+    return message
+
+
+async def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, error: Exception,
+                  reason: str = "") -> NoReturn:
+    """Refuses a call on the event loop (Generate)."""
+    await context.abort(code, _refusal(context, code, error, reason))
     raise AssertionError("context.abort raises")  # for the type checker: it never returns
+
+
+def _refuse_now(context: grpc.ServicerContext, code: grpc.StatusCode, error: Exception,
+                reason: str = "") -> NoReturn:
+    """Refuses a call on a worker thread (the unary methods)."""
+    context.abort(code, _refusal(context, code, error, reason))
+    raise AssertionError("context.abort raises")
 
 
 def _chat_messages(messages: gateway_pb2.ChatMessages) -> list[ChatMessage]:

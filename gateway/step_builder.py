@@ -94,23 +94,29 @@ def parse_step_response(response: block_pb2.StepResponse, num_ops: int) -> list[
         raise ValueError(
             f"block service answered {len(response.op_statuses)} results for {num_ops} ops"
         )
+    # Columns as lists once: indexing a protobuf repeated field or map costs far more than a
+    # list's, and this runs for every operation of every step.
     table_ids = list(response.table_block_ids)
     slots = list(response.slot_mapping)
+    table_counts = list(response.table_counts)
+    table_starts = list(response.table_starts)
+    slot_counts = list(response.slot_counts)
+    cached = list(response.num_cached_tokens)
+    errors = dict(response.errors)
     results: list[OpResult] = []
     table_cursor = 0
     slot_cursor = 0
-    for i in range(num_ops):
-        table_count = response.table_counts[i]
-        slot_count = response.slot_counts[i]
-        status = response.op_statuses[i]
+    for i, status in enumerate(response.op_statuses):
+        table_count = table_counts[i]
+        slot_count = slot_counts[i]
         results.append(OpResult(
             outcome=_OUTCOMES.get(status, OpOutcome.FAILED),
-            table_start=response.table_starts[i],
+            table_start=table_starts[i],
             table_ids=table_ids[table_cursor:table_cursor + table_count],
             slots=slots[slot_cursor:slot_cursor + slot_count],
-            num_cached_tokens=response.num_cached_tokens[i],
-            error=response.errors.get(i, "" if status == block_pb2.OP_STATUS_OK
-                                      else block_pb2.OpStatus.Name(status)),
+            num_cached_tokens=cached[i],
+            error=errors.get(i, "" if status == block_pb2.OP_STATUS_OK
+                             else block_pb2.OpStatus.Name(status)),
         ))
         table_cursor += table_count
         slot_cursor += slot_count

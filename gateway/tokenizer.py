@@ -31,6 +31,15 @@ class Tokenizer:
         self.folder = folder
         # len() counts added tokens, which vocab_size may leave out.
         self.size = len(self._tok)
+        # The Rust tokenizer decodes as transformers' decode does, less its per-call Python
+        # work, where transformers adds nothing after it (its clean-up of spaces, which it
+        # skips for BPE tokenizers unless forced).
+        self._backend: Any = getattr(self._tok, "_tokenizer", None)
+        bpe = type(getattr(self._backend, "model", None)).__name__ == "BPE"
+        forced = getattr(self._tok, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_"
+                                    "corrupt_output", False)
+        if getattr(self._tok, "clean_up_tokenization_spaces", False) and (not bpe or forced):
+            self._backend = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -59,7 +68,16 @@ class Tokenizer:
         return list(self._tok.encode(self.render_chat(messages), add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(list(token_ids),
+                                            skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def decode_batch(self, sequences: list[list[int]]) -> list[str]:
+        """decode() of each sequence (special tokens skipped), in one call where it can."""
+        if self._backend is not None:
+            return list(self._backend.decode_batch(sequences, skip_special_tokens=True))
+        return [self.decode(sequence) for sequence in sequences]
 
     def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's piece as the tokenizer names it (e.g. 'Ġhello')."""

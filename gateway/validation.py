@@ -27,6 +27,7 @@ MAX_CACHE_SALT_BYTES = 1024
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_STREAM_INTERVAL = 4096  # tokens per message
 LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]
 
 
@@ -138,6 +139,16 @@ def check_identifiers(request_id: str, cache_salt: str) -> None:
         raise InvalidRequest(
             f"cache_salt has {salt_bytes} bytes, over the limit of {MAX_CACHE_SALT_BYTES} "
             f"bytes (the block service's)")
+
+
+def stream_interval(asked: int | None, default: int) -> int:
+    """A request's stream_interval: its own (checked) or the gateway's --stream-interval."""
+    if asked is None:
+        return default
+    if not 1 <= asked <= MAX_STREAM_INTERVAL:
+        raise InvalidRequest(f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], "
+                             f"got {asked}")
+    return asked
 
 
 def check_prompt_length(num_tokens: int, limits: Limits) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/gateway.proto\x12\x13pagewire.gateway.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"B\n\x0c\x43hatMessages\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .pagewire.gateway.v1.ChatMessage\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xe8\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0e\n\x01n\x18\n \x01(\rH\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\n\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x32.pagewire.gateway.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x98\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x35\n\x08messages\x18\x03 \x01(\x0b\x32!.pagewire.gateway.v1.ChatMessagesH\x00\x12\x39\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x1d.pagewire.gateway.v1.TokenIdsH\x00\x12<\n\x0fsampling_params\x18\x05 \x01(\x0b\x32#.pagewire.gateway.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nfinal_only\x18\x07 \x01(\x08\x42\x07\n\x05input\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"t\n\x10PositionLogprobs\x12\x30\n\x05token\x18\x01 \x01(\x0b\x32!.pagewire.gateway.v1.TokenLogprob\x12.\n\x03top\x18\x02 \x03(\x0b\x32!.pagewire.gateway.v1.TokenLogprob\"\xb5\x01\n\x10\x43ompletionOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x38\n\rfinish_reason\x18\x04 \x01(\x0e\x32!.pagewire.gateway.v1.FinishReason\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.pagewire.gateway.v1.PositionLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x89\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x07outputs\x18\x02 \x03(\x0b\x32%.pagewire.gateway.v1.CompletionOutput\x12)\n\x05usage\x18\x03 \x01(\x0b\x32\x1a.pagewire.gateway.v1.Usage\"c\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x35\n\x08messages\x18\x02 \x01(\x0b\x32!.pagewire.gateway.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xa5\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x44\n\x17\x64\x65\x66\x61ult_sampling_params\x18\n \x01(\x0b\x32#.pagewire.gateway.v1.SamplingParams\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xac\x02\n\x11GenerationService\x12Y\n\x08Generate\x12$.pagewire.gateway.v1.GenerateRequest\x1a%.pagewire.gateway.v1.GenerateResponse0\x01\x12W\n\x08Tokenize\x12$.pagewire.gateway.v1.TokenizeRequest\x1a%.pagewire.gateway.v1.TokenizeResponse\x12\x63\n\x0cGetModelInfo\x12(.pagewire.gateway.v1.GetModelInfoRequest\x1a).pagewire.gateway.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/gateway.proto\x12\x13pagewire.gateway.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"B\n\x0c\x43hatMessages\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .pagewire.gateway.v1.ChatMessage\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xe8\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0e\n\x01n\x18\n \x01(\rH\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\n\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x32.pagewire.gateway.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\xca\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x35\n\x08messages\x18\x03 \x01(\x0b\x32!.pagewire.gateway.v1.ChatMessagesH\x00\x12\x39\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x1d.pagewire.gateway.v1.TokenIdsH\x00\x12<\n\x0fsampling_params\x18\x05 \x01(\x0b\x32#.pagewire.gateway.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nfinal_only\x18\x07 \x01(\x08\x12\x1c\n\x0fstream_interval\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x12\n\x10_stream_interval\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"t\n\x10PositionLogprobs\x12\x30\n\x05token\x18\x01 \x01(\x0b\x32!.pagewire.gateway.v1.TokenLogprob\x12.\n\x03top\x18\x02 \x03(\x0b\x32!.pagewire.gateway.v1.TokenLogprob\"\xb5\x01\n\x10\x43ompletionOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x38\n\rfinish_reason\x18\x04 \x01(\x0e\x32!.pagewire.gateway.v1.FinishReason\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.pagewire.gateway.v1.PositionLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x89\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x07outputs\x18\x02 \x03(\x0b\x32%.pagewire.gateway.v1.CompletionOutput\x12)\n\x05usage\x18\x03 \x01(\x0b\x32\x1a.pagewire.gateway.v1.Usage\"c\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x35\n\x08messages\x18\x02 \x01(\x0b\x32!.pagewire.gateway.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xa5\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x44\n\x17\x64\x65\x66\x61ult_sampling_params\x18\n \x01(\x0b\x32#.pagewire.gateway.v1.SamplingParams\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xac\x02\n\x11GenerationService\x12Y\n\x08Generate\x12$.pagewire.gateway.v1.GenerateRequest\x1a%.pagewire.gateway.v1.GenerateResponse0\x01\x12W\n\x08Tokenize\x12$.pagewire.gateway.v1.TokenizeRequest\x1a%.pagewire.gateway.v1.TokenizeResponse\x12\x63\n\x0cGetModelInfo\x12(.pagewire.gateway.v1.GetModelInfoRequest\x1a).pagewire.gateway.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2142
-  _globals['_FINISHREASON']._serialized_end=2262
+  _globals['_FINISHREASON']._serialized_start=2192
+  _globals['_FINISHREASON']._serialized_end=2312
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_CHATMESSAGES']._serialized_start=91
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=604
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=652
   _globals['_GENERATEREQUEST']._serialized_start=810
-  _globals['_GENERATEREQUEST']._serialized_end=1090
-  _globals['_TOKENLOGPROB']._serialized_start=1092
-  _globals['_TOKENLOGPROB']._serialized_end=1141
-  _globals['_POSITIONLOGPROBS']._serialized_start=1143
-  _globals['_POSITIONLOGPROBS']._serialized_end=1259
-  _globals['_COMPLETIONOUTPUT']._serialized_start=1262
-  _globals['_COMPLETIONOUTPUT']._serialized_end=1443
-  _globals['_USAGE']._serialized_start=1445
-  _globals['_USAGE']._serialized_end=1525
-  _globals['_GENERATERESPONSE']._serialized_start=1528
-  _globals['_GENERATERESPONSE']._serialized_end=1665
-  _globals['_TOKENIZEREQUEST']._serialized_start=1667
-  _globals['_TOKENIZEREQUEST']._serialized_end=1766
-  _globals['_TOKENIZERESPONSE']._serialized_start=1768
-  _globals['_TOKENIZERESPONSE']._serialized_end=1821
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1823
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1844
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1847
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2140
-  _globals['_GENERATIONSERVICE']._serialized_start=2265
-  _globals['_GENERATIONSERVICE']._serialized_end=2565
+  _globals['_GENERATEREQUEST']._serialized_end=1140
+  _globals['_TOKENLOGPROB']._serialized_start=1142
+  _globals['_TOKENLOGPROB']._serialized_end=1191
+  _globals['_POSITIONLOGPROBS']._serialized_start=1193
+  _globals['_POSITIONLOGPROBS']._serialized_end=1309
+  _globals['_COMPLETIONOUTPUT']._serialized_start=1312
+  _globals['_COMPLETIONOUTPUT']._serialized_end=1493
+  _globals['_USAGE']._serialized_start=1495
+  _globals['_USAGE']._serialized_end=1575
+  _globals['_GENERATERESPONSE']._serialized_start=1578
+  _globals['_GENERATERESPONSE']._serialized_end=1715
+  _globals['_TOKENIZEREQUEST']._serialized_start=1717
+  _globals['_TOKENIZEREQUEST']._serialized_end=1816
+  _globals['_TOKENIZERESPONSE']._serialized_start=1818
+  _globals['_TOKENIZERESPONSE']._serialized_end=1871
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1873
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1894
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1897
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2190
+  _globals['_GENERATIONSERVICE']._serialized_start=2315
+  _globals['_GENERATIONSERVICE']._serialized_end=2615
 # @@protoc_insertion_point(module_scope)

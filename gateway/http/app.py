@@ -3,14 +3,15 @@
 It runs in the gateway process, on its own thread and asyncio loop, and submits to the same
 engine as the gRPC servicer (no extra hop). Requests are built and checked by the servicer's
 `build_request` (on a worker thread: tokenizing must not stall the loop's other streams); the
-engine thread hands each message to the loop through `_Bridge`. HTTP requests have their own
-limits (--max-http-streams), apart from gRPC's thread-pool ones. docs/api.md describes the
-endpoints.
+runner loops hand each step's messages to this loop in one batch (gateway/delivery.py). HTTP
+requests have their own limits (--max-http-streams), apart from gRPC's thread-pool ones.
+docs/api.md describes the endpoints.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -32,6 +33,7 @@ from starlette.routing import Route
 
 from common.server import ServerOptions
 from gateway import refusals
+from gateway.delivery import AsyncSink, Item, StreamError
 from gateway.engine import AdmissionError
 from gateway.http.errors import ApiError, from_grpc_code, invalid
 from gateway.http.protocol import (
@@ -47,7 +49,7 @@ from gateway.http.protocol import (
     parse_json,
 )
 from gateway.http.responses import Answer
-from gateway.request import Request, StreamError
+from gateway.request import Request
 from gateway.servicer import GenerationServicer
 from gateway.validation import (
     InvalidRequest,
@@ -63,23 +65,22 @@ log = logging.getLogger(__name__)
 # Paths anyone may read, token or not: probes and scrapers (the gRPC side's health and metrics
 # port are open too).
 _OPEN_PATHS = ("/health", "/metrics", "/version")
-_Item = tuple[int, gateway_pb2.GenerateResponse | StreamError | None]
+_Item = tuple[int, Item]
 
 
-class _Bridge:
-    """A request's message sink: puts each message, tagged with its prompt's index, on an
-    asyncio queue from the engine thread."""
+class _JobMessages:
+    """The messages of a job's requests (one per prompt), each tagged with its prompt's
+    index, on one queue; taking one tells its sink (so a request whose reader is behind
+    merges its progress instead of queueing more)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[_Item],
-                 index: int) -> None:
-        self._loop = loop
-        self._queue = queue
-        self._index = index
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_requests: int) -> None:
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.sinks = [AsyncSink(loop, self.queue, index) for index in range(num_requests)]
 
-    def put(self, item: gateway_pb2.GenerateResponse | StreamError | None) -> None:
-        # A closed loop (the server stopped) has nobody left to read.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (self._index, item))
+    async def get(self) -> _Item:
+        item = await self.queue.get()
+        self.sinks[item[0]].taken()
+        return item
 
 
 class HttpApi:
@@ -195,13 +196,11 @@ class HttpApi:
 
     # ----- generation --------------------------------------------------------------------
 
-    def _build(self, job: Job, queue: asyncio.Queue[_Item], loop: asyncio.AbstractEventLoop
-               ) -> tuple[list[Request], list[str]]:
+    def _build(self, job: Job, messages: _JobMessages) -> tuple[list[Request], list[str]]:
         """The job's engine requests and echo texts (tokenizing: run off the loop)."""
         try:
-            requests = [self._servicer.build_request(pb, _Bridge(loop, queue, i),
-                                                     job.default_max_tokens)
-                        for i, pb in enumerate(job.requests)]
+            requests = [self._servicer.build_request(pb, sink, job.default_max_tokens)
+                        for pb, sink in zip(job.requests, messages.sinks, strict=True)]
         except InvalidRequest as error:
             raise invalid(str(error), param=_field_named(str(error))) from None
         echo_texts = [p if isinstance(p, str) else self._tokenizer.decode(p)
@@ -209,20 +208,21 @@ class HttpApi:
         return requests, echo_texts
 
     async def _serve(self, http: HttpRequest, job: Job) -> Response:
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        requests, echo_texts = await asyncio.to_thread(
-            self._build, job, queue, asyncio.get_running_loop())
+        messages = _JobMessages(asyncio.get_running_loop(), len(job.requests))
+        requests, echo_texts = await asyncio.to_thread(self._build, job, messages)
         release = self._acquire_slot(http)
-        self._submit(requests, release)
+        # Placing may ask the block service where to route (a blocking call): off the loop.
+        await asyncio.to_thread(self._submit, requests, release)
         try:
             answer = Answer(job, self._token_text, echo_texts,
                             [len(r.prompt_ids) for r in requests])
             watch = asyncio.ensure_future(_disconnected(http))
             try:
-                first = await _next(queue, watch)
+                first = await _next(messages, watch)
                 if not job.stream:
                     try:
-                        return await self._whole(answer, queue, first, watch, len(requests))
+                        return await self._whole(answer, messages, first, watch,
+                                                 len(requests))
                     finally:
                         release()  # a stream gives its slot back in _EventStream
             finally:
@@ -240,7 +240,7 @@ class HttpApi:
         def close() -> None:  # however the stream ends: idempotent
             self._abort(requests)
             release()
-        return _EventStream(self._chunks(answer, queue, first, requests), close)
+        return _EventStream(self._chunks(answer, messages, first, requests), close)
 
     def _acquire_slot(self, http: HttpRequest) -> Any:
         if self._expected:
@@ -267,7 +267,7 @@ class HttpApi:
         for request in requests:
             self._engine.abort(request)
 
-    async def _whole(self, answer: Answer, queue: asyncio.Queue[_Item], item: _Item,
+    async def _whole(self, answer: Answer, messages: _JobMessages, item: _Item,
                      watch: asyncio.Future[None], num_requests: int) -> Response:
         remaining = num_requests
         while True:
@@ -280,9 +280,9 @@ class HttpApi:
                 _raise_if_error(item)
                 assert isinstance(message, gateway_pb2.GenerateResponse)
                 answer.add(index, message)
-            item = await _next(queue, watch)
+            item = await _next(messages, watch)
 
-    async def _chunks(self, answer: Answer, queue: asyncio.Queue[_Item], item: _Item,
+    async def _chunks(self, answer: Answer, messages: _JobMessages, item: _Item,
                       requests: Sequence[Request]) -> AsyncIterator[str]:
         """The event stream: a chunk per message, the usage chunk when asked for, [DONE]."""
         remaining = len(requests)
@@ -301,7 +301,7 @@ class HttpApi:
                     answer.add_usage(index, message.usage)
                 for chunk in answer.chunks(index, message):
                     yield _event(chunk)
-            item = await queue.get()
+            item = await messages.get()
         if remaining == 0 and answer.job.include_usage:
             yield _event(answer.usage_chunk())
         yield "data: [DONE]\n\n"
@@ -335,9 +335,9 @@ def _raise_if_error(item: _Item) -> None:
         raise from_grpc_code(message.code_name, message.message)
 
 
-async def _next(queue: asyncio.Queue[_Item], watch: asyncio.Future[None]) -> _Item:
+async def _next(messages: _JobMessages, watch: asyncio.Future[None]) -> _Item:
     """The next message, or ClientDisconnect when the client goes away first."""
-    get: asyncio.Future[Any] = asyncio.ensure_future(queue.get())
+    get: asyncio.Future[Any] = asyncio.ensure_future(messages.get())
     waited: set[asyncio.Future[Any]] = {get, watch}
     done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
     if get in done:
@@ -443,9 +443,10 @@ class _AuthMiddleware:
 
 
 class HttpServer:
-    """uvicorn serving the API on a thread of its own."""
+    """uvicorn serving the API on the gateway's event loop (where its gRPC API runs too)."""
 
-    def __init__(self, api: HttpApi, options: ServerOptions, port: int) -> None:
+    def __init__(self, api: HttpApi, options: ServerOptions, port: int,
+                 loop: asyncio.AbstractEventLoop) -> None:
         tls: dict[str, Any] = {}
         if options.tls is not None:
             tls = {"ssl_certfile": options.tls.cert_file, "ssl_keyfile": options.tls.key_file}
@@ -457,7 +458,8 @@ class HttpServer:
                                     max(1, options.grace_s)), **tls)
         self.api = api
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="http", daemon=True)
+        self._loop = loop
+        self._serving: concurrent.futures.Future[None] | None = None
 
     @property
     def port(self) -> int:
@@ -468,10 +470,11 @@ class HttpServer:
         return 0
 
     def start(self, timeout_s: float = 30.0) -> None:
-        self._thread.start()
+        serving = self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(),
+                                                                   self._loop)
         waited = threading.Event()
         deadline = timeout_s
-        while not self._server.started and self._thread.is_alive() and deadline > 0:
+        while not self._server.started and not serving.done() and deadline > 0:
             waited.wait(0.02)
             deadline -= 0.02
         if not self._server.started:
@@ -479,5 +482,6 @@ class HttpServer:
 
     def stop(self) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout=30)
-
+        if self._serving is not None:
+            with contextlib.suppress(Exception):  # it failed: nothing left to stop
+                self._serving.result(timeout=30)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.http.errors import ApiError, invalid
+from gateway.validation import MAX_STREAM_INTERVAL
 from protos import gateway_pb2
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -95,6 +96,7 @@ _SAMPLING_FIELDS = {
     "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
     # pagewire's extras (vLLM names them the same)
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "cache_salt", "stop_token_ids",
+    "stream_interval",  # pagewire's own (vLLM has only a server flag)
 }
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs",
@@ -333,6 +335,9 @@ def _generate_request(fields: Fields, params: gateway_pb2.SamplingParams
     request = gateway_pb2.GenerateRequest(cache_salt=fields.string("cache_salt"))
     request.sampling_params.CopyFrom(params)
     request.final_only = not fields.boolean("stream")
+    interval = fields.integer("stream_interval", 1, MAX_STREAM_INTERVAL)
+    if interval is not None:
+        request.stream_interval = interval
     return request
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import IncrementalDetokenizer, new_texts
 from gateway.tokenizer import Tokenizer
 
 TEXTS = [
@@ -54,3 +56,42 @@ def test_special_tokens_are_left_out_of_the_text(tokenizer: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer.decode, [])
     text = "".join(detok.add([t]) for t in ids) + detok.flush()
     assert text == "Done."
+
+
+def test_batched_decoding_streams_the_same_text_as_decoding_each_row(
+        tokenizer: Tokenizer) -> None:
+    """A runner loop decodes every row's windows of a step in one call (new_texts): each
+    row's stream must be what its own detokenizer gives alone."""
+    rows = [tokenizer.encode(text) for text in TEXTS]
+    alone = [IncrementalDetokenizer(tokenizer.decode, []) for _ in rows]
+    batched = [IncrementalDetokenizer(tokenizer.decode, []) for _ in rows]
+    streamed_alone: list[list[str]] = [[] for _ in rows]
+    streamed_batched: list[list[str]] = [[] for _ in rows]
+    for step in range(max(len(ids) for ids in rows)):
+        live = [i for i, ids in enumerate(rows) if step < len(ids)]
+        for i in live:
+            streamed_alone[i].append(alone[i].add([rows[i][step]]))
+            batched[i].extend([rows[i][step]])
+        texts = new_texts([batched[i] for i in live], tokenizer.decode_batch)
+        for i, text in zip(live, texts, strict=True):
+            streamed_batched[i].append(text)
+    assert streamed_batched == streamed_alone
+    assert any(piece == "" for pieces in streamed_batched for piece in pieces)  # split chars
+
+
+def test_decode_equals_transformers_decode(tokenizer: Tokenizer) -> None:
+    """Tokenizer.decode may skip transformers' Python layer: it must still decode as it does,
+    special tokens and byte fragments included."""
+    from transformers import AutoTokenizer
+
+    oracle = AutoTokenizer.from_pretrained(str(tokenizer.folder))
+    rng = random.Random(0)
+    eos = tokenizer.eos_token_id
+    samples = [[rng.randrange(tokenizer.size) for _ in range(rng.randint(0, 12))]
+               for _ in range(300)]
+    samples += [[eos, *tokenizer.encode(text), eos] for text in TEXTS]
+    assert any(eos in ids for ids in samples)
+    for ids in samples:
+        assert tokenizer.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == oracle.decode(ids)
+    assert tokenizer.decode_batch(samples) == [tokenizer.decode(ids) for ids in samples]

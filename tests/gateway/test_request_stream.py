@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from gateway import request as request_module
-from gateway.request import Request, StreamError, TokenLogprobs
+from gateway.delivery import StreamError
+from gateway.request import Request, TokenLogprobs
 from gateway.sequence import SamplingConfig
 from protos import gateway_pb2
 
@@ -20,27 +21,48 @@ def decode(ids: Sequence[int]) -> str:
     return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def make_request(final_only: bool, **params: object) -> Request:
+class Reader:
+    """A request's stream as a list; the test says when the reader takes what is there."""
+
+    def __init__(self) -> None:
+        self.items: list[gateway_pb2.GenerateResponse | StreamError | None] = []
+        self.taken = 0
+
+    @property
+    def unread(self) -> int:
+        return len(self.items) - self.taken
+
+    def put(self, item: gateway_pb2.GenerateResponse | StreamError | None) -> None:
+        self.items.append(item)
+
+    def take_all(self) -> None:
+        self.taken = len(self.items)
+
+
+def make_request(final_only: bool, stream_interval: int = 1, **params: object) -> Request:
     config = SamplingConfig(**{"max_tokens": 50, **params})  # type: ignore[arg-type]
     return Request("r", list(PROMPT), config, max_len=1000, eos_ids=frozenset(),
-                   decode=decode, final_only=final_only)
+                   decode=decode, final_only=final_only, stream=Reader(),
+                   stream_interval=stream_interval)
 
 
 def run_steps(request: Request, steps: list[list[int | None]],
               logprobs: TokenLogprobs | None = None) -> None:
-    """Step k adds steps[k][i] to output i (None: nothing for that output), then flushes."""
+    """Step k adds steps[k][i] to output i (None: nothing for that output), then flushes; the
+    reader keeps up."""
     for tokens in steps:
         for seq, token in zip(request.sequences, tokens, strict=True):
             if token is not None and not request.outputs[seq.index].finished:
                 request.add_token(seq, token, logprobs)
         request.flush()
+        request.stream.take_all()
 
 
 def drain(request: Request) -> list[gateway_pb2.GenerateResponse | StreamError]:
-    items = []
-    while (item := request.stream.get_nowait()) is not None:
-        items.append(item)
-    return items
+    """What the stream carried, up to its end marker (which must be there)."""
+    items = request.stream.items
+    assert items[-1] is None and None not in items[:-1]
+    return items[:-1]
 
 
 def assembled(messages: list[gateway_pb2.GenerateResponse | StreamError]) -> dict[int, tuple]:
@@ -97,7 +119,7 @@ def test_outputs_that_end_at_different_steps_come_together_at_the_end() -> None:
 def test_an_aborted_final_only_request_sends_what_it_made() -> None:
     request = make_request(True)
     run_steps(request, [[5], [6]])
-    assert request.stream.empty()
+    assert request.stream.items == []
     request.abort_outputs()
     request.flush()
     (message,) = drain(request)
