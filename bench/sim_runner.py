@@ -5,8 +5,9 @@
 
 `Execute` takes the time the cost model (`CostModel`) gives its batch, as a sleep, and answers
 one token per sampled row; nothing is computed and no KV cache exists. What it keeps of a real
-runner (gpu_runner/servicer.py, whose `StepGate` and `RetryCache` it uses):
-- one batch at a time, and a batch that names `after_step_id` waits for that step's turn;
+runner (gpu_runner/servicer.py, whose `BatchMerger` it uses):
+- one forward at a time, of every client's batch waiting then (gpu_runner/merging.py), and a
+  batch that names `after_step_id` waits for that step's turn;
 - pending tokens are taken from the stored answer of `after_step_id`;
 - a retried (client_id, step_id) gets its first answer again, without a second sleep;
 - FAILED_PRECONDITION for another epoch, INVALID_ARGUMENT for columns of unequal lengths (a
@@ -44,6 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+from prometheus_client import Counter  # noqa: E402
 
 from common.handlers import lenient_handlers  # noqa: E402
 from common.log import setup_logging  # noqa: E402
@@ -60,11 +62,16 @@ from common.server import (  # noqa: E402
     server_options_from_args,
     start_server,
 )
+from gpu_runner.merging import BatchError, BatchMerger, PendingStepError  # noqa: E402
 from protos import runner_pb2, runner_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("sim_runner")
 
 SERVICE = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"]
+# On the --metrics-port, for benches: every runner of the process together.
+FORWARDS = Counter("pagewire_sim_runner_forwards_total", "Forwards run (merged batches)")
+ROWS = Counter("pagewire_sim_runner_rows_total", "Sequences in the forwards")
+BUSY_SECONDS = Counter("pagewire_sim_runner_busy_seconds_total", "Time spent in forwards")
 DEFAULT_PORT = 50100
 VOCAB = 32000
 EOS = 2
@@ -147,21 +154,15 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
 
     def __init__(self, cost: CostModel, shape: SimShape = SimShape(),
                  name: str = "sim") -> None:
-        # Imported here: gpu_runner.servicer imports torch, which the cost model's users
-        # (bench/control_plane.py's load generators) do not need.
-        from gpu_runner.batch import BatchError
-        from gpu_runner.servicer import PendingStepError, RetryCache, StepGate
-
-        self._batch_error = BatchError
-        self._pending_error = PendingStepError
         self.cost = cost
         self.shape = shape
         self.name = name
         self.epoch = shape.epoch or time.time_ns()
-        self._gate = StepGate()
-        self._retries = RetryCache()
+        self._merger = BatchMerger()
         self._lock = threading.Lock()
-        self.executed = 0  # batches executed (retries not counted)
+        self.executed = 0  # forwards run (retries not counted)
+        self.rows = 0  # sequences in them
+        self.busy_s = 0.0  # time in them
 
     def Info(self, request: runner_pb2.InfoRequest, context: grpc.ServicerContext
              ) -> runner_pb2.InfoResponse:
@@ -181,36 +182,37 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
         if request.after_step_id and not request.client_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_step_id needs a client_id")
         try:
-            with self._gate.turn(request.client_id, request.step_id, request.after_step_id):
-                return self._execute_in_turn(request, time.perf_counter())
-        except self._pending_error as error:
+            return self._merger.run(request, self._check, self._forward)
+        except PendingStepError as error:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-        except self._batch_error as error:
+        except BatchError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         raise AssertionError("unreachable: abort raises")
 
-    def _execute_in_turn(self, request: runner_pb2.ExecuteRequest, turn_started: float
-                         ) -> runner_pb2.ExecuteResponse:
-        cached = self._retries.lookup(request.client_id, request.step_id)
-        if cached is not None:
-            return cached
-        self._retries.fill_pending(request)
-        decode_rows, prefill_tokens = self._check(request)
+    def _forward(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+        """The simulated forward of a (merged) batch: its answer after the cost model's time."""
+        started = time.perf_counter()
+        decode_rows, prefill_tokens = self._sizes(request)
         answer = self._sample(request)
         forward_s = self.cost.step_time_s(decode_rows, prefill_tokens)
-        # The simulated forward: what is left of its time after the work above.
-        remaining = turn_started + forward_s - time.perf_counter()
+        # What is left of the forward's time after the work above.
+        remaining = started + forward_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
         answer.forward_ms = forward_s * 1e3
-        answer.total_ms = (time.perf_counter() - turn_started) * 1e3
-        self._retries.store(request.client_id, request.step_id, answer)
+        answer.total_ms = (time.perf_counter() - started) * 1e3
+        busy_s = time.perf_counter() - started
         with self._lock:
             self.executed += 1
+            self.rows += len(request.num_new_tokens)
+            self.busy_s += busy_s
+        FORWARDS.inc()
+        ROWS.inc(len(request.num_new_tokens))
+        BUSY_SECONDS.inc(busy_s)
         return answer
 
-    def _check(self, request: runner_pb2.ExecuteRequest) -> tuple[int, int]:
-        """Column lengths only; returns (decode rows, prefill tokens)."""
+    def _check(self, request: runner_pb2.ExecuteRequest) -> None:
+        """Column lengths only (BatchError)."""
         rows = len(request.num_new_tokens)
         columns: dict[str, Sized] = {"start_positions": request.start_positions,
                    "block_table_lens": request.block_table_lens,
@@ -219,23 +221,28 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
                    "min_ps": request.min_ps, "seeds": request.seeds}
         for name, column in columns.items():
             if len(column) != rows:
-                raise self._batch_error(f"{name} has {len(column)} entries for {rows} rows")
+                raise BatchError(f"{name} has {len(column)} entries for {rows} rows")
         if request.num_logprobs and len(request.num_logprobs) != rows:
-            raise self._batch_error(f"num_logprobs has {len(request.num_logprobs)} entries "
+            raise BatchError(f"num_logprobs has {len(request.num_logprobs)} entries "
                                     f"for {rows} rows")
         counts = request.num_new_tokens
         num_tokens = sum(counts)
         if not num_tokens == len(request.token_ids) == len(request.slot_mapping):
-            raise self._batch_error(f"{num_tokens} new tokens, {len(request.token_ids)} token "
+            raise BatchError(f"{num_tokens} new tokens, {len(request.token_ids)} token "
                                     f"ids and {len(request.slot_mapping)} slots")
         if sum(request.block_table_lens) != len(request.block_tables):
-            raise self._batch_error("block_table_lens do not add up to block_tables")
+            raise BatchError("block_table_lens do not add up to block_tables")
         if len(request.copy_src_block_ids) != len(request.copy_dst_block_ids):
-            raise self._batch_error("copy sources and destinations differ in number")
+            raise BatchError("copy sources and destinations differ in number")
         if min(counts, default=1) < 1:
-            raise self._batch_error("every row needs at least one new token")
+            raise BatchError("every row needs at least one new token")
+
+    @staticmethod
+    def _sizes(request: runner_pb2.ExecuteRequest) -> tuple[int, int]:
+        """(decode rows, prefill tokens) of a batch."""
+        counts = request.num_new_tokens
         decode_rows = sum(1 for count in counts if count == 1)
-        return decode_rows, num_tokens - decode_rows
+        return decode_rows, len(request.token_ids) - decode_rows
 
     def _sample(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
         """One token per row with do_sample, in row order."""

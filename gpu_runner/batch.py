@@ -13,14 +13,11 @@ import torch
 
 from gpu_runner import penalties
 from gpu_runner.attention.metadata import AttentionMetadata
+from gpu_runner.merging import BatchError  # torch-free, for the runners that import no torch
 from gpu_runner.sampler import SamplingTensors
 from protos import runner_pb2
 
 MAX_LOGPROBS = 20
-
-
-class BatchError(ValueError):
-    """A malformed batch (INVALID_ARGUMENT); the message says which column and why."""
 
 
 def _ints(values: object = ()) -> np.ndarray:

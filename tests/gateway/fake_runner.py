@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from gpu_runner.batch import BatchError
-from gpu_runner.servicer import PendingStepError, RetryCache, StepGate
+from gpu_runner.merging import BatchError, BatchMerger, PendingStepError
 from protos import runner_pb2, runner_pb2_grpc
 
 VOCAB = 49152
@@ -47,10 +46,12 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.max_model_len = max_model_len
         self.epoch = epoch
         self.cache = np.full(num_blocks * block_size, _EMPTY, dtype=np.int64)
-        self.batches: list[runner_pb2.ExecuteRequest] = []
-        self.retries = RetryCache()  # the last answer per client: pending tokens come from it
+        self.batches: list[runner_pb2.ExecuteRequest] = []  # each client's, as sent
+        self.forwards: list[runner_pb2.ExecuteRequest] = []  # what ran: merged batches
         self.lock = threading.Lock()
-        self.gate = StepGate()  # a step sent while its previous one runs waits for it
+        # As the real runner's: clients' batches waiting together run as one forward; a
+        # step sent while its previous one runs waits for it and takes its pending tokens.
+        self.merger = BatchMerger()
         self.proceed = threading.Event()  # cleared: Execute waits (a busy runner)
         self.proceed.set()
         # Sampled rows whose penalty history was checked against the cache, and the first
@@ -71,30 +72,33 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
     def Execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
                 ) -> runner_pb2.ExecuteResponse:
         self.proceed.wait(30)
+        if request.epoch != self.epoch:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch")
         try:
-            with self.gate.turn(request.client_id, request.step_id, request.after_step_id):
-                return self._execute(request, context)
+            return self.merger.run(request, self._check_one, self._forward)
         except PendingStepError as error:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except BatchError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         raise AssertionError("unreachable: abort raises")
 
-    def _execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
-                 ) -> runner_pb2.ExecuteResponse:
+    def _check_one(self, request: runner_pb2.ExecuteRequest) -> None:
+        """In the batch's turn, its pending tokens filled in."""
         with self.lock:
-            if request.epoch != self.epoch:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch")
-            try:
-                self.retries.fill_pending(request)
-            except BatchError as error:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             self.batches.append(request)
-            error = self._check(request)
+        error = self._check(request)
+        if error:
+            raise BatchError(error)
+
+    def _forward(self, merged: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+        with self.lock:
+            self.forwards.append(merged)
+            error = self._check(merged)  # the merge must keep every row's slots and table
             if error:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-            answer = self._run(request)
+                raise BatchError(f"merged batch: {error}")
+            answer = self._run(merged)
             if self.penalty_error:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.penalty_error)
-            self.retries.store(request.client_id, request.step_id, answer)
+                raise BatchError(self.penalty_error)
             return answer
 
     def _check(self, request: runner_pb2.ExecuteRequest) -> str:

@@ -32,8 +32,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gpu_runner.runner as runner_module
 import gpu_runner.sampler as sampler_module
+import gpu_runner.servicer as servicer_module
 from common.server import ServerOptions, start_server
 from gpu_runner.batch import BatchLimits, ExecuteBatch, validate_batch
 from gpu_runner.penalties import PenaltyTensors, penalised
@@ -90,8 +90,8 @@ class Served:
     channel: grpc.Channel
     info: runner_pb2.InfoResponse
     bases: list[runner_pb2.ExecuteRequest]
-    # Calls of the runner's validate_batch (wrapped by the fixture). It runs on the forward
-    # thread, but before Execute answers, so a test reads it safely once its call returned.
+    # Calls of the servicer's validate_batch (wrapped by the fixture). It runs in the batch's
+    # turn, before Execute answers, so a test reads it safely once its call returned.
     validations: int = 0
     # Of those, the batches with a penalty or logit-bias column; and the sampler's calls of
     # penalised (batches that got past the validator and use them).
@@ -155,10 +155,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         served.penalty_applications += 1
         return penalised(logits, penalties)
 
-    # ModelRunner.execute calls the validator through its module's name: counting there sees
-    # exactly the batches that got past the servicer (epoch, gate, retry cache).
+    # The servicer validates each client's batch in its turn (after the epoch check and the
+    # retry memory; the runner validates the merged forward again) through its module's
+    # name: counting there sees exactly the batches that got past the rest.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner_module, "validate_batch", counting_validate)
+        patch.setattr(servicer_module, "validate_batch", counting_validate)
         patch.setattr(sampler_module, "penalised", counting_penalised)
         yield served
     channel.close()

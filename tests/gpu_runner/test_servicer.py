@@ -17,14 +17,12 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from common.server import ServerOptions, start_server
-from gpu_runner.batch import BatchError, ExecuteBatch
+from gpu_runner.batch import ExecuteBatch
+from gpu_runner.merging import BatchError, RetryCache
 from gpu_runner.runner import ExecuteResult, ModelRunner
 from gpu_runner.servicer import (
     SERVICE_NAME,
-    PendingStepError,
-    RetryCache,
     RunnerServicer,
-    StepGate,
     register_handlers,
 )
 from protos import runner_pb2, runner_pb2_grpc
@@ -262,17 +260,6 @@ def test_a_step_after_a_step_that_failed_is_failed_precondition(
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "step 1" in error.value.details()
     assert torch.equal(runner.kv_cache, before)
-
-
-def test_a_step_whose_previous_one_never_comes_gives_up() -> None:
-    gate = StepGate(wait_s=0.2)
-    with gate.turn("c", 1, 0):
-        pass
-    with (pytest.raises(PendingStepError, match="step 3 of client 'c' has not run"),
-          gate.turn("c", 4, 3)):
-        pass
-    with gate.turn("c", 2, 1):  # step 1 has had its turn: no wait
-        pass
 
 
 @pytest.mark.parametrize(("change", "message"), [
