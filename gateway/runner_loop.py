@@ -321,7 +321,7 @@ class RunnerLoop:
             self._aborts.add(request_id)
             self._lock.notify_all()
 
-    # ----- the loop (engine thread) --------------------------------------------------------
+    # ----- the loop (its own thread) --------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stopping.is_set():

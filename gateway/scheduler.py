@@ -33,7 +33,7 @@ class OpOutcome(enum.Enum):
     FAILED = "failed"  # any other per-operation error: the request cannot go on
 
 
-@dataclass
+@dataclass(slots=True)
 class OpResult:
     """One operation's result: its outcome and what changed in the sequence's table."""
 
@@ -45,7 +45,7 @@ class OpResult:
     error: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class FreeOp:
     """A sequence allocation to free in the next Step."""
 
@@ -53,7 +53,7 @@ class FreeOp:
     num_computed: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Grant:
     """A sequence allowed to compute up to `num_tokens` tokens this step.
 
@@ -93,7 +93,7 @@ class StepPlan:
         return sum(g.num_tokens for g in (*self.appends, *self.prefills, *self.allocates))
 
 
-@dataclass
+@dataclass(slots=True)
 class Work:
     """What the runner computes for one sequence this step."""
 

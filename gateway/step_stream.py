@@ -52,7 +52,7 @@ class _Stream:
 
 
 class StepStreamClient:
-    """Sends Steps over a StepStream; called from one thread (the engine loop) at a time."""
+    """Sends Steps over a StepStream; called from one thread (a runner loop's) at a time."""
 
     def __init__(self, stub: block_pb2_grpc.BlockServiceStub, timeout_s: float) -> None:
         self._stub = stub
