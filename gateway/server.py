@@ -23,6 +23,7 @@ from common.server import (
     start_server,
 )
 from gateway import refusals
+from gateway.admission import Admission
 from gateway.config import (
     DEFAULT_GATEWAY_PORT,
     GatewayConfig,
@@ -87,12 +88,12 @@ class Gateway:
 
     def start(self, timeout_s: float = 300.0) -> GrpcService:
         info = self.engine.start(timeout_s)
-        servicer = GenerationServicer(self.engine, self.tokenizer, info,
-                                      tokens_checked=bool(self._options.auth_tokens),
-                                      defaults=self.defaults,
-                                      served_model_name=self.config.served_model_name)
+        admission = Admission(self.engine, self.tokenizer, info, defaults=self.defaults,
+                              served_model_name=self.config.served_model_name)
+        servicer = GenerationServicer(self.engine, admission,
+                                      tokens_checked=bool(self._options.auth_tokens))
         log.info("serving the model as %r; default sampling: %s (a request's own parameters "
-                 "win)", servicer.served_model_name, self.defaults.describe())
+                 "win)", admission.served_model_name, self.defaults.describe())
         self.servicer = servicer
         self._event_loop = EventLoopThread()
         self.service = start_server(
@@ -105,7 +106,7 @@ class Gateway:
         # Health follows the backends: NOT_SERVING while the runner or block service is down.
         self.engine.set_health_listener(self.service.set_serving)
         if self.config.http_port:
-            api = HttpApi(servicer, self._options)
+            api = HttpApi(self.engine, admission, self._options)
             self.http = HttpServer(api, self._options, self.config.http_port,
                                    self._event_loop.loop)
             self.http.start()

@@ -12,6 +12,8 @@ from transformers import AutoTokenizer
 
 log = logging.getLogger(__name__)
 
+# The roles a chat message may have, as gRPC clients send them (the HTTP API maps OpenAI's role
+# names onto these: gateway/http/protocol.py OPENAI_ROLES).
 CHAT_ROLES = ("system", "user", "assistant")
 
 

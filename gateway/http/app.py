@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API: a Starlette app over the gateway's engine, served by uvicorn.
 
-It runs in the gateway process, on its own thread and asyncio loop, and submits to the same
-engine as the gRPC servicer (no extra hop). Requests are built and checked by the servicer's
-`build_request` (on a worker thread: tokenizing must not stall the loop's other streams); the
-runner loops hand each step's messages to this loop in one batch (gateway/delivery.py). HTTP
-requests have their own limits (--max-http-streams), apart from gRPC's thread-pool ones.
-docs/api.md describes the endpoints.
+It runs in the gateway process, on the event loop that serves gRPC's streams too, and submits
+to the same engine as the gRPC servicer (no extra hop). Requests are built and checked by
+gateway/admission.py, as gRPC's are (on a worker thread: tokenizing must not stall the loop's
+other streams); the runner loops hand each step's messages to this loop in one batch
+(gateway/delivery.py). HTTP requests have their own limits (--max-http-streams), apart from
+gRPC's (--max-streams). docs/api.md describes the endpoints.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from starlette.routing import Route
 
 from common.server import ServerOptions
 from gateway import refusals
+from gateway.admission import Admission
 from gateway.delivery import AsyncSink, Item, StreamError
-from gateway.engine import AdmissionError
+from gateway.engine import AdmissionError, Engine
 from gateway.http.errors import ApiError, from_grpc_code, invalid
 from gateway.http.protocol import (
     CHAT_FIELDS,
@@ -50,7 +51,6 @@ from gateway.http.protocol import (
 )
 from gateway.http.responses import Answer
 from gateway.request import Request
-from gateway.servicer import GenerationServicer
 from gateway.validation import (
     InvalidRequest,
     LimitReached,
@@ -84,23 +84,24 @@ class _JobMessages:
 
 
 class HttpApi:
-    """The endpoints, over one gateway's servicer."""
+    """The endpoints, over one gateway's engine; `admission` builds and checks the requests
+    (the gRPC servicer's too)."""
 
-    def __init__(self, servicer: GenerationServicer, options: ServerOptions) -> None:
-        self._servicer = servicer
-        self._engine = servicer.engine
-        self._tokenizer = servicer.tokenizer
+    def __init__(self, engine: Engine, admission: Admission, options: ServerOptions) -> None:
+        self._engine = engine
+        self._admission = admission
+        self._tokenizer = admission.tokenizer
         self._options = options
         # The model folder's name stays an alias of the model's own (the default model was
         # served by its folder's name before it had a name of its own); a --served-model-name
         # is the only name, as in vLLM.
-        name = servicer.served_model_name
-        own_name = name == servicer.model_info().model
-        aliases = {servicer.tokenizer.folder.name} - {name} if own_name else set()
+        name = admission.served_model_name
+        own_name = name == admission.model_info().model
+        aliases = {admission.tokenizer.folder.name} - {name} if own_name else set()
         self._model = ServedModel(name, frozenset(aliases))
         self._expected = [f"Bearer {t}".encode() for t in options.auth_tokens]
-        config = servicer.engine.config
-        # Not the gRPC servicer's limiter: that one guards its thread pool, these hold no thread.
+        config = engine.config
+        # Not the gRPC servicer's limiter: HTTP has limits of its own (docs/gateway.md).
         self.streams = StreamLimiter(config.max_http_streams, config.max_http_streams_per_client,
                                      ("--max-http-streams", "--max-http-streams-per-client"))
         self._token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
@@ -130,12 +131,12 @@ class HttpApi:
     # ----- endpoints ---------------------------------------------------------------------
 
     async def models(self, request: HttpRequest) -> Response:
-        info = self._servicer.model_info()
+        info = self._admission.model_info()
         return JSONResponse({"object": "list", "data": [{
             "id": self._model.name, "object": "model", "created": 0, "owned_by": "pagewire",
-            "root": info.model, "max_model_len": self._servicer.limits.max_len,
+            "root": info.model, "max_model_len": self._admission.limits.max_len,
             # What a request's unset sampling fields take (docs/api.md).
-            "default_sampling_params": self._servicer.defaults.as_dict()}]})
+            "default_sampling_params": self._admission.defaults.as_dict()}]})
 
     async def completions(self, request: HttpRequest) -> Response:
         job = parse_completion(await _body(request, self._options), self._model)
@@ -156,12 +157,12 @@ class HttpApi:
             tokenize.prompt = fields.string("prompt")
         check_model(fields, self._model)
         try:
-            token_ids = await asyncio.to_thread(self._servicer.prompt_ids, tokenize)
-            check_prompt_length(len(token_ids), self._servicer.limits)
+            token_ids = await asyncio.to_thread(self._admission.prompt_ids, tokenize)
+            check_prompt_length(len(token_ids), self._admission.limits)
         except InvalidRequest as error:
             raise invalid(str(error)) from None
         return JSONResponse({"tokens": token_ids, "count": len(token_ids),
-                             "max_model_len": self._servicer.limits.max_len,
+                             "max_model_len": self._admission.limits.max_len,
                              "token_strs": self._tokenizer.token_pieces(token_ids)})
 
     async def detokenize(self, request: HttpRequest) -> Response:
@@ -173,7 +174,7 @@ class HttpApi:
                 isinstance(t, int) and not isinstance(t, bool) for t in token_ids)):
             raise invalid("tokens must be an array of token ids", param="tokens")
         try:
-            check_prompt_ids(token_ids, self._servicer.limits)
+            check_prompt_ids(token_ids, self._admission.limits)
         except InvalidRequest as error:
             raise invalid(str(error), param="tokens") from None
         return JSONResponse({"prompt": await asyncio.to_thread(self._tokenizer.decode,
@@ -199,7 +200,7 @@ class HttpApi:
     def _build(self, job: Job, messages: _JobMessages) -> tuple[list[Request], list[str]]:
         """The job's engine requests and echo texts (tokenizing: run off the loop)."""
         try:
-            requests = [self._servicer.build_request(pb, sink, job.default_max_tokens)
+            requests = [self._admission.build_request(pb, sink, job.default_max_tokens)
                         for pb, sink in zip(job.requests, messages.sinks, strict=True)]
         except InvalidRequest as error:
             raise invalid(str(error), param=_field_named(str(error))) from None
@@ -324,7 +325,8 @@ class _EventStream(StreamingResponse):
 
 
 def _field_named(message: str) -> str | None:
-    """The request field a servicer message starts with (its messages name the field first)."""
+    """The request field an InvalidRequest message starts with (admission's messages name the
+    field first)."""
     word = message.split(" ", 1)[0].rstrip(":")
     return word if word in COMPLETION_FIELDS | CHAT_FIELDS else None
 

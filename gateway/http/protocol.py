@@ -2,8 +2,9 @@
 
 The HTTP API checks here only what JSON can get wrong (types, integer ranges that protobuf
 cannot hold, the shapes of prompts and messages, fields pagewire does not serve) and leaves
-every limit that gRPC clients have too to the servicer's `build_request`, so both APIs refuse
-alike. `null` means "not given" for every optional field, as in OpenAI's API.
+every limit that gRPC clients have too to gateway/admission.py, which builds gRPC's requests
+too, so both APIs refuse alike. `null` means "not given" for every optional field, as in
+OpenAI's API.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.http.errors import ApiError, invalid
+from gateway.tokenizer import CHAT_ROLES
 from gateway.validation import MAX_STREAM_INTERVAL
 from protos import gateway_pb2
 
@@ -105,8 +107,10 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs
 KNOWN_FIELDS = COMPLETION_FIELDS | CHAT_FIELDS | set(_UNSERVED_CHAT) | set(
     _UNSERVED_COMPLETION)
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant"}
+# OpenAI's role names, each to the role the model takes (CHAT_ROLES): its own, and after
+# "system" OpenAI's newer name for it, "developer" (which gRPC clients may not send).
+_ROLE_ALIASES = {"system": ("developer",)}
+OPENAI_ROLES = {name: role for role in CHAT_ROLES for name in (role, *_ROLE_ALIASES.get(role, ()))}
 
 
 @dataclass(frozen=True)
@@ -440,11 +444,11 @@ def _chat_messages(value: Any) -> list[gateway_pb2.ChatMessage]:
                           f"{', '.join(sorted(extra))} (it takes role and content)",
                           param=name)
         role = message.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise invalid(f"{name}.role must be one of {', '.join(CHAT_ROLES)}, got "
+        if not isinstance(role, str) or role not in OPENAI_ROLES:
+            raise invalid(f"{name}.role must be one of {', '.join(OPENAI_ROLES)}, got "
                           f"{str(role)[:32]!r}", param=f"{name}.role")
         messages.append(gateway_pb2.ChatMessage(
-            role=CHAT_ROLES[role], content=_content(message.get("content"), name)))
+            role=OPENAI_ROLES[role], content=_content(message.get("content"), name)))
     return messages
 
 

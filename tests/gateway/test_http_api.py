@@ -653,7 +653,7 @@ def test_completions_default_max_tokens_bows_to_the_room_left(stack: Stack,
                                                               http: httpx.Client) -> None:
     """Without max_tokens a completion gets OpenAI's 16, or what fits when less does: the
     default the client never sent is not refused."""
-    max_len = stack.gateway.servicer.limits.max_len  # type: ignore[union-attr]
+    max_len = stack.gateway.servicer.admission.limits.max_len  # type: ignore[union-attr]
     for length, expected in ((9, 16), (max_len - 5, 5)):
         response = http.post("/v1/completions", json=dict(
             model=MODEL, prompt=prompt_of(80 + length % 7, length), temperature=0))
