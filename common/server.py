@@ -31,6 +31,13 @@ from common.security import ServerTls, TokenAuthInterceptor, read_tokens
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The shortest interval between a client's keepalive pings a server accepts, with or without
+# calls in flight. The gateway pings its runners and block service every 2 s (gateway/server.py,
+# _CHANNEL_OPTIONS) to notice a vanished host within seconds; gRPC's server default (one ping
+# per 5 minutes while it sends nothing, none on a connection without calls) would answer that
+# with GOAWAY "too_many_pings" and fail the calls in flight. Half the client's interval, so
+# that timer jitter never makes a ping look early.
+MIN_PING_INTERVAL_MS = 1000
 
 
 @dataclass
@@ -205,6 +212,14 @@ def start_server(
         ("grpc.max_receive_message_length", options.max_message_bytes),
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # Accept keepalive pings (MIN_PING_INTERVAL_MS): on connections without calls too, and
+        # every MIN_PING_INTERVAL_MS even while this server sends nothing (a long Execute). A
+        # client pinging faster still gets GOAWAY "too_many_pings" at its third early ping.
+        # (gRPC's name for the server-side interval is grpc.http2.min_ping_interval_without_
+        # data_ms; "min_recv_ping_interval_without_data_ms" is silently ignored.)
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
     ]
     auth = ([TokenAuthInterceptor(options.auth_tokens, options.on_auth_refusal)]
             if options.auth_tokens else [])

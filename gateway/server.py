@@ -49,6 +49,28 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
+    # Keepalive. A runner or block service whose host vanishes without closing its connections
+    # (power loss, network partition) sends no FIN or RST: without pings, the Execute in flight
+    # to it waits for its deadline (PAGEWIRE_GATEWAY_RPC_TIMEOUT_S, 120 s) before its requests
+    # can move. With them, a connection that has received nothing for 2 s is pinged, and closed
+    # when the ping goes unanswered for 2 s: its calls fail UNAVAILABLE about 2-4 s after the
+    # peer's last byte, about when the runner's 3 s registration lease runs out, so its
+    # requests move as soon as the engine retires it (docs/deploy.md). gRPC enforces the 2 s
+    # in two ways, both needed: keepalive_timeout_ms becomes the socket's TCP_USER_TIMEOUT (a
+    # vanished host never acknowledges the ping's bytes), and ping_timeout_ms (default 1
+    # minute) covers a peer whose kernel acknowledges but whose process does not answer
+    # (stopped, hung). Shorter would gain little (the lease bounds the move anyway) and risk
+    # closing a connection to an overloaded host (pings are answered by gRPC's own threads,
+    # not by the model, even while the GIL is held); a connection closed by mistake costs only
+    # a retry of the same, idempotent call. Pings go on with no call open (a broken idle
+    # connection is found before a call needs it) and with no cap between data frames (a
+    # long prefill sends none). Every pagewire server takes this rate (common/server.py,
+    # MIN_PING_INTERVAL_MS).
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 

@@ -68,6 +68,15 @@ class Pod:
         out = sh("ip", "netns", "exec", self.netns, "ss", "-ltnH").stdout
         return [line.split()[3] for line in out.splitlines() if line.strip()]
 
+    def connections_to(self, ip: str, port: int) -> list[str]:
+        """local host:port of each ESTABLISHED TCP connection from this pod to ip:port."""
+        out = sh("ip", "netns", "exec", self.netns, "ss", "-tnH", "state", "established").stdout
+        # With a state filter there is no state column: Recv-Q Send-Q Local Peer. gRPC's
+        # sockets may be IPv6 ones: an IPv4 peer then reads [::ffff:IP]:PORT.
+        peers = {f"{ip}:{port}", f"[::ffff:{ip}]:{port}"}
+        return [fields[2] for fields in map(str.split, out.splitlines())
+                if len(fields) >= 4 and fields[3] in peers]
+
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
@@ -139,8 +148,15 @@ class Hosts:
         pod.started_at = time.monotonic()
 
     def cut(self, pod: Pod) -> None:
-        """The pod's host is gone: its process killed, its link down."""
+        """The pod's process dies, then its link goes down: the kernel closes the process's
+        sockets as it dies, so its peers get a FIN (or RST) at once."""
         pod.kill()
+        sh("ip", "link", "set", pod.host_veth, "down")
+
+    def partition(self, pod: Pod) -> None:
+        """The pod's host drops off the network (power loss or partition as its peers see
+        it): its link goes down with its process still running, so no FIN, RST or anything
+        else reaches them; their connections to it stay open until something notices."""
         sh("ip", "link", "set", pod.host_veth, "down")
 
     def close(self) -> None:
