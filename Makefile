@@ -56,6 +56,8 @@ bench: setup
 	$(PY) bench/cpu_attention.py
 	$(PY) bench/serve_bench.py
 	$(PY) bench/control_plane.py
+	$(PY) bench/gateway_plane.py
+	$(PY) bench/gateway_replicas.py
 	if test -x $(PEERS_VENV)/bin/python; then $(PY) bench/openai_serve.py; \
 	else echo "openai_serve skipped: run make bench-peers"; fi
 	if test -x $(PEERS_VENV)/bin/guidellm; then $(PY) bench/guidellm_serve.py; \
