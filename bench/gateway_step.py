@@ -59,7 +59,8 @@ class Loop:
         self.core = BlockServiceCore()
         self.core.create_pool(POOL, 1 << 16, BLOCK_SIZE, 1)
         self.session, _ = self.core.open_session("bench")
-        self.scheduler = Scheduler(max(rows, 256), rows, BLOCK_SIZE)
+        # Every prompt fits the first step's budget, so each request samples from step one.
+        self.scheduler = Scheduler(max(rows * prompt_tokens, 256), rows, BLOCK_SIZE)
         self.tokenizer = load_tokenizer(None)
         rng = random.Random(seed)
         self.rng = rng
