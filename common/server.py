@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.faults import interceptors_from_env
+from common.heap import freeze_start_up_heap
 from common.interceptors import AsyncAdapter
 from common.metrics import MetricsInterceptor, start_metrics_server
 from common.security import ServerTls, TokenAuthInterceptor, read_tokens
@@ -274,8 +275,10 @@ def start_server(
 def run_until_signal(service: GrpcService, on_stop: Callable[[], None] | None = None) -> int:
     """Serves until SIGTERM or SIGINT, then stops gracefully; returns the exit code (0).
 
-    `on_stop` runs after the server has drained (release models, close channels).
+    `on_stop` runs after the server has drained (release models, close channels). The
+    process has started by now: its start-up heap is frozen for the collector (common/heap.py).
     """
+    freeze_start_up_heap()
     requested = threading.Event()
 
     def handle(signum: int, _frame: FrameType | None) -> None:
