@@ -824,6 +824,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Stopped with SIGTERM (timeout, kill), the points' clean-up still stops the services.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     data: dict[str, Any] = {
         "command": " ".join([".venv/bin/python bench/gateway_plane.py",
                              *(sys.argv[1:] if argv is None else argv)]),

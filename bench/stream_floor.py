@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(serve(args.serve, args.port, args.streams, args.messages))
         return 0
+    # Stopped with SIGTERM, run_way's clean-up still stops its server and clients.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     data: dict[str, Any] = {
         "command": " ".join([".venv/bin/python bench/stream_floor.py",
                              *(sys.argv[1:] if argv is None else argv)]),

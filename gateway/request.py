@@ -103,25 +103,29 @@ class OutputState:
                 self._hold_text(self.stop_matcher.flush())
         self.finish_reason = reason
 
-    def take_delta(self) -> gateway_pb2.CompletionOutput | None:
-        """The progress since the last call, or None when there is none."""
+    def take_delta(self, message: gateway_pb2.GenerateResponse) -> bool:
+        """Adds the progress since the last call to `message`; False when there is none.
+
+        Only the fields that hold something are set: a message per token per stream is made
+        for every row of every step, and each keyword protobuf takes costs."""
         finishing = self.finished and not self.reported_finish
         if not (self.pending_text or self.pending_ids or finishing):
-            return None
-        delta = gateway_pb2.CompletionOutput(
-            index=self.index,
-            text="".join(self.pending_text),
-            token_ids=self.pending_ids,
-            logprobs=self.pending_logprobs,
-            finish_reason=(self.finish_reason if finishing
-                           else gateway_pb2.FINISH_REASON_UNSPECIFIED),
-        )
-        self.pending_text = []
+            return False
+        delta = message.outputs.add(token_ids=self.pending_ids)
+        if self.index:
+            delta.index = self.index
+        if self.pending_text:
+            delta.text = "".join(self.pending_text)
+            self.pending_text = []
+        if self.pending_logprobs:
+            delta.logprobs.extend(self.pending_logprobs)
+            self.pending_logprobs = []
+        if finishing:
+            delta.finish_reason = self.finish_reason
+            self.reported_finish = True
         self.pending_ids = []
-        self.pending_logprobs = []
         self.held_bytes = 0
-        self.reported_finish = self.reported_finish or finishing
-        return delta
+        return True
 
 
 class Request:
@@ -237,10 +241,9 @@ class Request:
         done = self.finished
         if not done and not self._message_due():
             return
-        deltas = self._take_deltas()
-        if not deltas and not done:
+        message = gateway_pb2.GenerateResponse(request_id=self.public_id)
+        if not self._take_deltas(message) and not done:
             return
-        message = gateway_pb2.GenerateResponse(request_id=self.public_id, outputs=deltas)
         if done:
             message.usage.CopyFrom(self.usage())
         self._put(message, outbox)
@@ -248,8 +251,12 @@ class Request:
         if done:
             self.close(outbox)
 
-    def _take_deltas(self) -> list[gateway_pb2.CompletionOutput]:
-        return [d for d in (o.take_delta() for o in self.outputs) if d is not None]
+    def _take_deltas(self, message: gateway_pb2.GenerateResponse) -> bool:
+        """Adds every output's progress to `message`; False when none had any."""
+        taken = False
+        for output in self.outputs:
+            taken = output.take_delta(message) or taken
+        return taken
 
     def _message_due(self) -> bool:
         """Whether the progress so far goes out now (the request has not ended)."""
@@ -268,10 +275,9 @@ class Request:
         if self.closed:
             return
         if not self.final_only:  # what coalescing held back still reaches the reader
-            deltas = self._take_deltas()
-            if deltas:
-                self._put(gateway_pb2.GenerateResponse(request_id=self.public_id,
-                                                       outputs=deltas), None)
+            held = gateway_pb2.GenerateResponse(request_id=self.public_id)
+            if self._take_deltas(held):
+                self._put(held, None)
         self.abort_outputs()
         self._put(StreamError(code_name, message), None)
         self.close()
