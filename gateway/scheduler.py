@@ -68,9 +68,17 @@ class Grant:
     lookahead: int = 0
 
 
+# The order in which a Step carries its plan's operation groups, and its answer their results:
+# frees first (their blocks serve the rest of the Step), commits, forks (a child exists before
+# its APPEND), appends (running sequences before newcomers), allocates (admissions take what
+# is left). Said here only: step_builder packs, apply_results reads, and bench/control_plane.py
+# orders its Steps by it.
+OPERATION_ORDER = ("frees", "commits", "forks", "appends", "allocates")
+
+
 @dataclass
 class StepPlan:
-    """Every block-service operation of one step, grouped by kind (sent in this order)."""
+    """Every block-service operation of one step, grouped by kind (sent in OPERATION_ORDER)."""
 
     frees: list[FreeOp] = field(default_factory=list)
     commits: list[Sequence] = field(default_factory=list)
@@ -81,8 +89,17 @@ class StepPlan:
 
     @property
     def num_ops(self) -> int:
-        return (len(self.frees) + len(self.commits) + len(self.forks) + len(self.appends)
-                + len(self.allocates))
+        return sum(len(getattr(self, group)) for group in OPERATION_ORDER)
+
+    def split_results(self, results: list[OpResult]) -> dict[str, list[OpResult]]:
+        """A Step's answer (one result per operation, in OPERATION_ORDER) by group."""
+        by_group: dict[str, list[OpResult]] = {}
+        start = 0
+        for group in OPERATION_ORDER:
+            end = start + len(getattr(self, group))
+            by_group[group] = results[start:end]
+            start = end
+        return by_group
 
     @property
     def is_empty(self) -> bool:
@@ -281,31 +298,24 @@ class Scheduler:
     # ----- results -------------------------------------------------------------------------
 
     def apply_results(self, plan: StepPlan, results: list[OpResult]) -> StepOutcome:
-        """Applies the block service's per-operation results in plan order.
-
-        `results` has one entry per operation, in the order the plan's operations are sent:
-        frees, commits, forks, appends, allocates.
-        """
+        """Applies the block service's per-operation results (one per operation of the plan,
+        in OPERATION_ORDER)."""
         outcome = StepOutcome()
         if any(r.outcome is OpOutcome.STALE for r in results):
             outcome.stale = True
             return outcome
-        cursor = len(plan.frees)
-        for seq in plan.commits:
-            self._apply_commit(seq, results[cursor], outcome)
-            cursor += 1
+        by_group = plan.split_results(results)
+        for seq, result in zip(plan.commits, by_group["commits"], strict=True):
+            self._apply_commit(seq, result, outcome)
         forked_parents: dict[Sequence, list[Sequence]] = {}
-        for parent, child in plan.forks:
-            if self._apply_fork(parent, child, results[cursor], outcome):
+        for (parent, child), result in zip(plan.forks, by_group["forks"], strict=True):
+            if self._apply_fork(parent, child, result, outcome):
                 forked_parents.setdefault(parent, []).append(child)
-            cursor += 1
         for parent, children in forked_parents.items():
             parent.pending_children = [c for c in parent.pending_children if c not in children]
         no_space: list[Sequence] = []
         appended: dict[Sequence, list[int]] = {}
-        for grant in plan.appends:
-            result = results[cursor]
-            cursor += 1
+        for grant, result in zip(plan.appends, by_group["appends"], strict=True):
             if grant.seq.status is not SeqStatus.RUNNING:
                 continue  # its fork failed
             if result.outcome is OpOutcome.OK:
@@ -317,9 +327,7 @@ class Scheduler:
                 outcome.failed.append((grant.seq, result.error))
         admitted: list[Grant] = []
         unadmitted: list[Sequence] = []
-        for grant in plan.allocates:
-            result = results[cursor]
-            cursor += 1
+        for grant, result in zip(plan.allocates, by_group["allocates"], strict=True):
             self._apply_allocate(grant, result, admitted, unadmitted, outcome)
         # Back to the front in their queue order; preempted sequences go before them.
         for seq in reversed(unadmitted):

@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gateway.scheduler import OpOutcome, OpResult, StepPlan, Work
+from gateway.scheduler import OPERATION_ORDER, OpOutcome, OpResult, StepPlan, Work
 from gateway.sequence import SamplingConfig, Sequence
 from protos import block_pb2, runner_pb2
 
@@ -46,40 +46,14 @@ class _Columns:
 
 def build_step_request(plan: StepPlan, session_id: str, pool_id: str, step_id: int,
                        epoch: int, cache_salts: dict[str, str]) -> block_pb2.StepRequest:
-    """One StepRequest with the plan's operations: frees, commits, forks, appends, allocates.
+    """One StepRequest with the plan's operations, group by group in OPERATION_ORDER.
 
     `cache_salts` maps request ids to their tenant salt (absent: no salt).
     """
     cols = _Columns([], [], [], [], [], [], [])
-    for free in plan.frees:
-        cols.add(block_pb2.OP_KIND_FREE, free.block_seq_id, [], computed=free.num_computed)
-    for seq in plan.commits:
-        cols.add(block_pb2.OP_KIND_COMMIT, seq.block_seq_id, [],
-                 computed=seq.reportable_computed)
-    for parent, child in plan.forks:
-        cols.add(block_pb2.OP_KIND_FORK, child.block_seq_id, [], parent_id=parent.block_seq_id)
-    # Decodes, the bulk of a step: the columns filled directly (no call per operation).
-    kinds, seq_ids, counts, token_ids = cols.kinds, cols.seq_ids, cols.token_counts, cols.token_ids
-    parents, computed, lookaheads = cols.parent_ids, cols.computed, cols.lookaheads
-    for grant in plan.appends:
-        seq = grant.seq
-        new = seq.token_ids[seq.num_registered:grant.register_end]
-        kinds.append(block_pb2.OP_KIND_APPEND)
-        seq_ids.append(seq.block_seq_id)
-        counts.append(len(new))
-        token_ids.extend(new)
-        parents.append(0)
-        # The KV confirmed so far: the block service publishes full blocks within it, so it
-        # must never count the Execute in flight (nor a position it has not been told).
-        computed.append(seq.num_computed)
-        lookaheads.append(grant.lookahead)
     salts: dict[int, str] = {}
-    for grant in plan.allocates:
-        seq = grant.seq
-        salt = cache_salts.get(seq.request_id, "")
-        if salt:
-            salts[len(cols.kinds)] = salt
-        cols.add(block_pb2.OP_KIND_ALLOCATE, seq.block_seq_id, seq.token_ids[:seq.alloc_len])
+    for group in OPERATION_ORDER:
+        _PACKERS[group](cols, plan, cache_salts, salts)
     return block_pb2.StepRequest(
         session_id=session_id,
         pool_id=pool_id,
@@ -94,6 +68,66 @@ def build_step_request(plan: StepPlan, session_id: str, pool_id: str, step_id: i
         cache_salts=salts,
         num_lookahead_slots=cols.lookaheads if any(cols.lookaheads) else [],
     )
+
+
+# Each packer adds one group of the plan's operations to the columns (and its tenant salts,
+# keyed by operation index, to `salts`).
+_Packer = Callable[[_Columns, StepPlan, Mapping[str, str], dict[int, str]], None]
+
+
+def _pack_frees(cols: _Columns, plan: StepPlan, _salts_of: Mapping[str, str],
+                _salts: dict[int, str]) -> None:
+    for free in plan.frees:
+        cols.add(block_pb2.OP_KIND_FREE, free.block_seq_id, [], computed=free.num_computed)
+
+
+def _pack_commits(cols: _Columns, plan: StepPlan, _salts_of: Mapping[str, str],
+                  _salts: dict[int, str]) -> None:
+    for seq in plan.commits:
+        cols.add(block_pb2.OP_KIND_COMMIT, seq.block_seq_id, [],
+                 computed=seq.reportable_computed)
+
+
+def _pack_forks(cols: _Columns, plan: StepPlan, _salts_of: Mapping[str, str],
+                _salts: dict[int, str]) -> None:
+    for parent, child in plan.forks:
+        cols.add(block_pb2.OP_KIND_FORK, child.block_seq_id, [], parent_id=parent.block_seq_id)
+
+
+def _pack_appends(cols: _Columns, plan: StepPlan, _salts_of: Mapping[str, str],
+                  _salts: dict[int, str]) -> None:
+    """Decodes, the bulk of a step: the columns filled directly (no call per operation)."""
+    kinds, seq_ids, counts, token_ids = cols.kinds, cols.seq_ids, cols.token_counts, cols.token_ids
+    parents, computed, lookaheads = cols.parent_ids, cols.computed, cols.lookaheads
+    for grant in plan.appends:
+        seq = grant.seq
+        new = seq.token_ids[seq.num_registered:grant.register_end]
+        kinds.append(block_pb2.OP_KIND_APPEND)
+        seq_ids.append(seq.block_seq_id)
+        counts.append(len(new))
+        token_ids.extend(new)
+        parents.append(0)
+        # The KV confirmed so far: the block service publishes full blocks within it, so it
+        # must never count the Execute in flight (nor a position it has not been told).
+        computed.append(seq.num_computed)
+        lookaheads.append(grant.lookahead)
+
+
+def _pack_allocates(cols: _Columns, plan: StepPlan, salts_of: Mapping[str, str],
+                    salts: dict[int, str]) -> None:
+    for grant in plan.allocates:
+        seq = grant.seq
+        salt = salts_of.get(seq.request_id, "")
+        if salt:
+            salts[len(cols.kinds)] = salt
+        cols.add(block_pb2.OP_KIND_ALLOCATE, seq.block_seq_id, seq.token_ids[:seq.alloc_len])
+
+
+_PACKERS: dict[str, _Packer] = {
+    "frees": _pack_frees, "commits": _pack_commits, "forks": _pack_forks,
+    "appends": _pack_appends, "allocates": _pack_allocates,
+}
+assert set(_PACKERS) == set(OPERATION_ORDER), "a packer per operation group"
 
 
 def parse_step_response(response: block_pb2.StepResponse, num_ops: int) -> list[OpResult]:
