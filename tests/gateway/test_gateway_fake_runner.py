@@ -15,6 +15,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from gateway.client import PagewireClient
 from gateway.request import output_seed
 from gateway.tokenizer import Tokenizer
 from tests.gateway.fake_runner import expected_tokens
@@ -253,3 +254,35 @@ def test_the_next_step_goes_out_while_the_execute_runs(stack: Stack) -> None:
     # One Execute per token: none for the position after the last.
     assert len(stack.runner.batches) == batches_before + 5
     assert stack.wait_idle().used_blocks == 0
+
+
+def test_a_reader_that_stops_reading_holds_up_no_one_and_gets_everything_merged(
+        stack: Stack) -> None:
+    """A client that stops reading: gRPC's flow control (a 1 KiB window here) soon stops the
+    server's writes to it, its messages wait in the gateway merged (at most one unread per
+    stream), other streams run on, and when it reads again it gets every token in order."""
+    # A tiny stream window and no BDP probing: the server's writes block after ~1 KiB.
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{stack.gateway.service.port}",  # type: ignore[union-attr]
+        options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)])
+    slow = PagewireClient(channel=channel)
+    prompt = prompt_of(80, 6)
+    max_tokens = 600
+    try:
+        stream = slow.generate(token_ids=prompt, max_tokens=max_tokens, temperature=0,
+                               ignore_eos=True)
+        first = next(stream)  # placed and streaming; from here on, nobody reads it
+        others = [prompt_of(81 + i, 5) for i in range(3)]
+        for other in others:  # served in full while the slow stream is stuck
+            result = stack.client.complete(token_ids=other, max_tokens=8, temperature=0,
+                                           timeout=30)
+            assert result.token_ids[0] == expected_tokens(other, 8)
+        assert stack.wait_idle(timeout_s=30).used_blocks == 0  # the slow request ended too
+        messages = [first, *stream]
+    finally:
+        slow.close()
+    tokens = [t for message in messages for out in message.outputs for t in out.token_ids]
+    assert tokens == expected_tokens(prompt, max_tokens)
+    # Far fewer messages than tokens: once the window was full, its progress was merged
+    # instead of queued a message per token.
+    assert len(messages) < max_tokens // 2, len(messages)
