@@ -35,12 +35,10 @@ import argparse
 import contextlib
 import os
 import random
-import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import block_service_process, free_port, percentile, scrape  # noqa: E402
 from block_service.core import BlockServiceCore  # noqa: E402
 from block_service.ops import OP_ALLOCATE, OP_APPEND, OP_COMMIT, OP_FREE  # noqa: E402
 from gateway.step_stream import StepStreamClient  # noqa: E402
@@ -175,30 +174,6 @@ def replay_core(block_size: int, trace: list[TraceSeq], rng: random.Random) -> C
                        stats.cached_prompt_tokens / stats.prompt_tokens)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server_process(extra_args: tuple[str, ...] = ()) -> Iterator[str]:
-    """`python -m block_service` on a free loopback port; yields its address."""
-    import grpc
-
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    server = subprocess.Popen([sys.executable, "-m", "block_service", "--port", str(port),
-                               "--log-level", "WARNING", *extra_args], cwd=ROOT, env=env)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            grpc.channel_ready_future(channel).result(timeout=30)
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-
 class DecodeClient:
     """One gateway-like client: a session, its sequences, and Steps of one decode token each."""
 
@@ -271,17 +246,12 @@ def create_pool(address: str, pool_id: str, num_blocks: int, block_size: int) ->
 
 def step_handler_totals(metrics_port: int) -> tuple[float, float]:
     """(seconds, calls) the server has spent in its Step handler, from its /metrics."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
     totals = {"sum": 0.0, "count": 0.0}
-    for line in text.splitlines():
-        if line.startswith("pagewire_rpc_seconds_") and "BlockService/Step" in line:
-            name, value = line.rsplit(" ", 1)
+    for name, value in scrape(metrics_port, timeout_s=10).items():
+        if name.startswith("pagewire_rpc_seconds_") and "BlockService/Step" in name:
             kind = name.split("{", 1)[0].rsplit("_", 1)[-1]
             if kind in totals:
-                totals[kind] = float(value)
+                totals[kind] = value
     return totals["sum"], totals["count"]
 
 
@@ -307,7 +277,7 @@ def measure_grpc(block_size: int, trace: list[TraceSeq], num_steps: int, clients
     per_client = NUM_SEQUENCES * (-(-longest // block_size) + 1)
     prompts = {seq.seq_id: seq.prompt for seq in trace}
     metrics_port = free_port()
-    with server_process(("--metrics-port", str(metrics_port))) as address:
+    with block_service_process(("--metrics-port", str(metrics_port))) as address:
         create_pool(address, "bench", per_client * (1 + clients), block_size)
         single = DecodeClient(address, "bench", prompts, rng)
         for _ in range(warm_steps):
@@ -340,11 +310,6 @@ def measure_grpc(block_size: int, trace: list[TraceSeq], num_steps: int, clients
     return GrpcFigures(latencies, stream_latencies, handler_mean, clients,
                        clients * steps_each * NUM_SEQUENCES / elapsed,
                        percentile(together, 0.5))
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def main() -> int:
@@ -525,7 +490,7 @@ def journal_main(args: argparse.Namespace) -> int:
                 extra = () if fsync is None else (
                     "--journal-dir", str(root / f"grpc-{index}"),
                     *(("--journal-fsync",) if fsync else ()))
-                address = stack.enter_context(server_process(extra))
+                address = stack.enter_context(block_service_process(extra))
                 clients.append(journal_client(address, num_steps, random.Random(args.seed)))
             grpc_times = interleaved([client.step for client in clients], num_steps)
             for client in clients:

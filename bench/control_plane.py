@@ -65,13 +65,11 @@ import multiprocessing
 import os
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -82,12 +80,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.block_service import percentile, server_process  # noqa: E402
+from bench.harness import (  # noqa: E402
+    RESULTS,
+    block_service_pid,
+    block_service_process,
+    fmt,
+    git_state,
+    machine_busy_s,
+    percentile,
+    run_header,
+    save_results,
+    service_counters,
+)
 from bench.sim_runner import CostModel  # noqa: E402
 from bench.w1 import wait_until_quiet  # noqa: E402
 from protos import block_pb2, block_pb2_grpc  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 BATCH = 256
 BLOCK_SIZE = 16
 SHIFT = BLOCK_SIZE.bit_length() - 1
@@ -409,47 +417,6 @@ class Point:
     batch: int = BATCH
 
 
-def service_pid() -> int:
-    """The pid of this process's `python -m block_service` child."""
-    for task in Path("/proc/self/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            with contextlib.suppress(OSError):
-                if b"-m\0block_service\0" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return int(pid)
-    raise RuntimeError("no block service child process found")
-
-
-def service_counters(pid: int) -> tuple[float, float, float, float]:
-    """Of the service process so far: (CPU seconds, of them in the kernel, CPU seconds of its
-    threads named "python", context switches of its live threads). The Python threads run
-    the handlers, protobuf and gRPC's Python layer (under the GIL), and gRPC's C core where
-    they poll; gRPC's own threads (event_engine, timer) work without the GIL."""
-    ticks = os.sysconf("SC_CLK_TCK")
-
-    def cpu(stat_path: Path) -> tuple[float, float]:
-        fields = stat_path.read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / ticks, int(fields[12]) / ticks
-
-    python = switches = 0.0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            if (task / "comm").read_text().strip() == "python":
-                python += cpu(task / "stat")[0]
-            for line in (task / "status").read_text().splitlines():
-                if line.endswith(tuple("0123456789")) and "ctxt_switches" in line:
-                    switches += int(line.split()[-1])
-    total, kernel = cpu(Path(f"/proc/{pid}/stat"))
-    return total, kernel, python, switches
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all cores of the machine spent outside idle and iowait since boot."""
-    with open("/proc/stat") as file:
-        fields = [int(value) for value in file.readline().split()[1:]]
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (sum(fields[:8]) - fields[3] - fields[4]) / ticks
-
-
 def run_point(point: Point, warm_s: float, measure_s: float, client_procs: int, seed: int,
               journal_root: str | None, settle_max_s: float,
               service_args: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -462,8 +429,8 @@ def run_point(point: Point, warm_s: float, measure_s: float, client_procs: int, 
         if point.journal:
             directory = stack.enter_context(tempfile.TemporaryDirectory(dir=journal_root))
             server_args += ["--journal-dir", directory]
-        address = stack.enter_context(server_process(tuple(server_args)))
-        pid = service_pid()
+        address = stack.enter_context(block_service_process(tuple(server_args)))
+        pid = block_service_pid()
         context = multiprocessing.get_context("spawn")
         pipes, children = [], []
         for proc in range(procs):
@@ -647,16 +614,6 @@ def points(args: argparse.Namespace, journals: list[bool]) -> list[Point]:
     return unique
 
 
-def git_state() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout.strip()
-
-    dirty = git("status", "--porcelain", "--untracked-files=no").splitlines()
-    return git("rev-parse", "--short", "HEAD") + (
-        f" + uncommitted changes in {len(dirty)} files" if dirty else "")
-
-
 def best(rows: list[dict[str, Any]], journal: bool, min_loops: int = 1
          ) -> dict[str, Any] | None:
     candidates = [row for row in rows if row["journal"] == journal and row["batch"] == BATCH
@@ -666,10 +623,6 @@ def best(rows: list[dict[str, Any]], journal: bool, min_loops: int = 1
 
 def looped(count: int) -> str:
     return f"{count} loop" + ("" if count == 1 else "s")
-
-
-def fmt(value: float | None, spec: str, unit: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{unit}"
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
@@ -1031,9 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     journals = {"off": [False], "on": [True], "both": [False, True]}[args.journal]
     data: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python bench/control_plane.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_header("bench/control_plane.py", argv),
         "cpus": os.cpu_count(), "load_average_before": os.getloadavg()[0],
         "git": git_state(), "warm_s": args.warm_s, "measure_s": args.measure_s,
         "client_procs": args.client_procs, "settle_max_s": args.settle_max_s,
@@ -1057,25 +1008,6 @@ def main(argv: list[str] | None = None) -> int:
         data["previous_runs"] = [*earlier.get("previous_runs", []), run_summary(earlier)]
     save_results(args.results, "control_plane", data, markdown(data))
     return 1 if any(row["bad_answers"] for row in data["points"]) else 0
-
-
-def portable_paths(text: str) -> str:
-    """`text` with this machine's folders named as any machine has them: the checkout as
-    relative paths, the home folder as ~, the temp folder as $TMPDIR (results are committed)."""
-    for folder, name in ((ROOT, ""), (Path.home(), "~/"), (Path(tempfile.gettempdir()),
-                                                            "$TMPDIR/")):
-        text = text.replace(f"{folder}/", name)
-    return text
-
-
-def save_results(folder: Path, stem: str, data: dict[str, Any], text: str) -> None:
-    """Writes `stem`.json and `stem`.md (the table) into `folder` and prints the table; paths
-    in both are made portable (portable_paths)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{stem}.json").write_text(portable_paths(json.dumps(data, indent=2)))
-    (folder / f"{stem}.md").write_text(portable_paths(text))
-    print()
-    print(text)
 
 
 if __name__ == "__main__":

@@ -73,16 +73,12 @@ import contextlib
 import functools
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +88,23 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.block_service import free_port, server_process  # noqa: E402
-from bench.control_plane import (  # noqa: E402
+from bench.harness import (  # noqa: E402
+    RESULTS,
+    block_service_pid,
+    block_service_process,
+    exit_on_sigterm,
     fmt,
+    free_port,
+    free_port_run,
     git_state,
     machine_busy_s,
+    run_header,
     save_results,
+    scrape,
     service_counters,
-    service_pid,
+    start_python,
+    stop,
+    wait_for,
 )
 from bench.sim_runner import CostModel  # noqa: E402
 from bench.stream_clients import ClientProcess, spread  # noqa: E402
@@ -108,7 +113,6 @@ from bench.workloads import BenchRequest  # noqa: E402
 from gateway.launcher import is_serving  # noqa: E402
 from protos import block_pb2, block_pb2_grpc  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 PROMPT_TOKENS = 32
 TOKEN_RANGE = (1000, 30000)
 MAX_TOKENS_CAP = 8192  # the gateway's --max-tokens-limit default (gateway/validation.py)
@@ -173,49 +177,6 @@ def default_clients(streams: int) -> int:
 
 
 # ---- processes ------------------------------------------------------------------------------
-def free_port_run(count: int) -> int:
-    """A port P with P .. P+count-1 all free on the loopback (bind-tested)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError(f"no run of {count} free ports found")
-
-
-def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL if it has not ended within 15 s."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-
-def wait_for(what: str, ready: Callable[[], bool], processes: list[subprocess.Popen[bytes]],
-             timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if any(process.poll() is not None for process in processes):
-            raise RuntimeError(f"a process exited while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def registered_runners(block_address: str) -> int:
     with grpc.insecure_channel(block_address) as channel:
         try:
@@ -247,30 +208,32 @@ def cluster(point: Point, sim_step_ms: float) -> Iterator[dict[str, Any]]:
     addresses, metrics ports and pids, the block service's and the sim runners' pids and the
     sim runners' metrics port."""
     loops = point.runners * point.gateways
-    with server_process(("--max-workers", str(loops + 16))) as block_address:
+    with block_service_process(("--max-workers", str(loops + 16))) as block_address:
         port = free_port_run(point.runners)
         runner_metrics_port = free_port()
-        processes = [start(["bench/sim_runner.py", "--count", str(point.runners),
-                            "--port", str(port), "--step-ms", f"{sim_step_ms:.6g}",
-                            "--block-service", block_address,
-                            "--metrics-port", str(runner_metrics_port),
-                            "--max-workers", str(max(16, 4 * point.gateways + 4)),
-                            "--log-level", "WARNING"])]
+        processes = [start_python(["bench/sim_runner.py", "--count", str(point.runners),
+                                   "--port", str(port), "--step-ms", f"{sim_step_ms:.6g}",
+                                   "--block-service", block_address,
+                                   "--metrics-port", str(runner_metrics_port),
+                                   "--max-workers", str(max(16, 4 * point.gateways + 4)),
+                                   "--log-level", "WARNING"])]
         try:
             wait_for(f"{point.runners} registered runners",
-                     lambda: registered_runners(block_address) >= point.runners, processes)
+                     lambda: registered_runners(block_address) >= point.runners, processes,
+                     START_TIMEOUT_S)
             gateways: list[dict[str, Any]] = []
             for share in spread(point.streams, point.gateways):
                 gateway_port, metrics_port = free_port(), free_port()
-                processes.append(start(
+                processes.append(start_python(
                     gateway_args(point, len(share), gateway_port, metrics_port, block_address),
                     env={"PAGEWIRE_GATEWAY_MAX_WORKERS": str(len(share) + 32)}))
                 gateways.append({"address": f"127.0.0.1:{gateway_port}",
                                  "metrics_port": metrics_port, "pid": processes[-1].pid})
             for gateway in gateways:
                 wait_for(f"the gateway at {gateway['address']} to serve",
-                         functools.partial(is_serving, gateway["address"]), processes)
-            yield {"gateways": gateways, "block_pid": service_pid(),
+                         functools.partial(is_serving, gateway["address"]), processes,
+                         START_TIMEOUT_S)
+            yield {"gateways": gateways, "block_pid": block_service_pid(),
                    "runners_pid": processes[0].pid, "runner_metrics_port": runner_metrics_port}
         finally:
             for process in reversed(processes):
@@ -278,19 +241,6 @@ def cluster(point: Point, sim_step_ms: float) -> Iterator[dict[str, Any]]:
 
 
 # ---- measuring ------------------------------------------------------------------------------
-def scrape(metrics_port: int) -> dict[str, float]:
-    """Every sample on the /metrics page, by its name with labels as written there."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
 def scrape_or_none(metrics_port: int) -> dict[str, float] | None:
     """scrape, or None where nothing answers (a sim runner without a metrics port)."""
     try:
@@ -825,11 +775,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Stopped with SIGTERM (timeout, kill), the points' clean-up still stops the services.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    exit_on_sigterm()
     data: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python bench/gateway_plane.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_header("bench/gateway_plane.py", argv),
         "cpus": os.cpu_count(), "load_average_before": os.getloadavg()[0],
         "git": git_state(), "step_ms": args.step_ms, "clients": args.clients,
         "warm_s": args.warm_s, "measure_s": args.measure_s,

@@ -29,7 +29,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import workloads  # noqa: E402
-from bench.control_plane import git_state, save_results  # noqa: E402
-from bench.openai_serve import OFFLINE, PAGEWIRE, Server, free_port  # noqa: E402
+from bench.harness import (  # noqa: E402
+    RESULTS,
+    Server,
+    free_port,
+    free_port_run,
+    git_state,
+    run_header,
+    save_results,
+    wait_for,
+)
+from bench.openai_serve import OFFLINE, PAGEWIRE  # noqa: E402
 from bench.timing import run_workload  # noqa: E402
 from bench.w1 import (  # noqa: E402
     WARM_UP_SEED,
@@ -51,7 +59,6 @@ from bench.workloads import BenchRequest  # noqa: E402
 from common.model_store import resolve_model  # noqa: E402
 from gateway.launcher import is_serving  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 START_TIMEOUT_S = 600.0
 WAYS = ("one gateway", "two gateways")
 
@@ -94,12 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     model_dir = resolve_model(None)
-    port = free_port()
+    port = free_port_run(2)  # `pagewire serve --gateways 2` serves on port and port + 1
     addresses = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
     data: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python bench/gateway_replicas.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_header("bench/gateway_replicas.py", argv),
         "git": git_state(), "cpus": os.cpu_count(), "model": str(model_dir.name),
         "runs": []}
     with tempfile.TemporaryDirectory(prefix="gateway-replicas-") as logs:
@@ -111,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         data["server"] = " ".join(server.command)
         try:
             server.start(START_TIMEOUT_S)  # the first gateway's HTTP API answers
-            deadline = time.monotonic() + 60
-            while not all(is_serving(address) for address in addresses):
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"the gateways did not serve:\n{server.log_tail()}")
-                time.sleep(0.5)
+            assert server.process is not None
+            try:
+                wait_for("the gateways to serve",
+                         lambda: all(is_serving(address) for address in addresses),
+                         [server.process], 60)
+            except RuntimeError:
+                raise SystemExit(f"the gateways did not serve:\n{server.log_tail()}") from None
             warm = salted(workloads.offline_throughput(seed=WARM_UP_SEED), "warm-up")
             run_way(WAYS[1], addresses, warm)
             for round_index in range(args.rounds):

@@ -83,7 +83,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -91,21 +90,25 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.control_plane import git_state, portable_paths, save_results  # noqa: E402
-from bench.openai_serve import (  # noqa: E402
-    ENGINES,
-    LOG_TAIL_CHARS,
-    NAMES,
-    OFFLINE,
+from bench.harness import (  # noqa: E402
+    RESULTS,
     STARTUP_TIMEOUT_S,
     Server,
+    git_state,
+    log_tail,
+    run_header,
+    save_results,
+)
+from bench.openai_serve import (  # noqa: E402
+    ENGINES,
+    NAMES,
+    OFFLINE,
     comma_choices,
     pagewire_server,
     vllm_server,
 )
 from bench.w1 import WARM_UP_SEED, wait_until_quiet  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 GUIDELLM = ROOT / ".venv-vllm" / "bin" / "guidellm"
 STREAMS = (1, 4, 16)
 STEP_SECONDS = 60.0
@@ -168,8 +171,8 @@ def run_guidellm(command: list[str], output: Path, log_path: Path, timeout_s: fl
                                  - before.ru_utime - before.ru_stime)
         usage["client_wall_s"] = time.perf_counter() - started
     if done.returncode != 0 or not output.is_file():
-        tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        raise RuntimeError(f"guidellm exited with {done.returncode}; its log:\n{tail}")
+        raise RuntimeError(f"guidellm exited with {done.returncode}; its log:\n"
+                           f"{log_tail(log_path)}")
     report: dict[str, Any] = json.loads(output.read_text())
     return report
 
@@ -548,20 +551,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     model_dir = resolve_model(None)
     data: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python bench/guidellm_serve.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_header("bench/guidellm_serve.py", argv),
         "cpus": os.cpu_count(), "load_average_before": os.getloadavg()[0], "git": git_state(),
         "guidellm_version": guidellm_version(), "model_dir": str(model_dir),
         "streams": args.streams, "seconds": args.seconds, "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "seed": args.seed,
         "data_prefetch": args.data_prefetch, "engines": {}}
 
-    def save() -> None:
-        folder = args.results_dir
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "guidellm_serve.json").write_text(portable_paths(json.dumps(data, indent=2)))
-        (folder / "guidellm_serve.md").write_text(portable_paths(markdown(data)))
+    def save() -> None:  # after each engine: what was measured survives a later failure
+        save_results(args.results_dir, "guidellm_serve", data, markdown(data), echo=False)
 
     for engine in args.engines:
         run_engine(engine, args, model_dir, data, save)

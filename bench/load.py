@@ -29,6 +29,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import percentile
 from common.security import ClientTls, open_channel
 from gateway.client import build_request
 from protos import gateway_pb2, gateway_pb2_grpc
@@ -163,14 +164,6 @@ class LoadReport:
                 f"{self.p50_first_token_s * 1e3:.0f} ms, p99 {self.p99_first_token_s * 1e3:.0f}"
                 f" ms; errors {sum(self.errors.values())} {self.errors or ''}; incomplete "
                 f"{self.incomplete}")
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def one_stream(stub: gateway_pb2_grpc.GenerationServiceStub, request: gateway_pb2.GenerateRequest,

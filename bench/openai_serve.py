@@ -70,20 +70,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +87,20 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import workloads  # noqa: E402
-from bench.control_plane import git_state, save_results  # noqa: E402
-from bench.peers.child import _end_leftovers  # noqa: E402
+from bench.harness import (  # noqa: E402
+    RESULTS,
+    STARTUP_TIMEOUT_S,
+    Server,
+    free_port,
+    git_state,
+    log_tail,
+    run_header,
+    save_results,
+)
 from bench.peers.vllm_offline import KV_CACHE_GIB, _cpu_list  # noqa: E402
 from bench.w1 import WARM_UP_SEED, per_round_ratio, round_seed, wait_until_quiet  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_CLI = ROOT / "bench" / "peers" / "vllm_cli.py"
 PAGEWIRE = Path(sys.executable).parent / "pagewire"
@@ -120,108 +122,11 @@ WARM_UP_PROMPTS = 8
 W1_ROUNDS = 3
 SUSTAIN_SHARE = 0.9
 TARGET_HTTP_OVER_GRPC = 0.95
-STARTUP_TIMEOUT_S = 900.0
 CLIENT_TIMEOUT_S = 1800.0
 REQUEST_TIMEOUT_S = 600.0
-STOP_GRACE_S = 45.0  # pagewire stops its three services one after another (15 s each at most)
-LOG_TAIL_CHARS = 3000
 
 
 # ---------------------------------------------------------------- servers
-
-
-def _children(pid: int) -> list[int]:
-    """Every live descendant of `pid` (from /proc): pagewire's services run in sessions of
-    their own, so a signal to the launcher's group does not reach them."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-@dataclass
-class Server:
-    """One engine's OpenAI server as a process group of its own, logging to a file."""
-
-    engine: str
-    command: list[str]
-    env: dict[str, str]
-    port: int
-    log_path: Path
-    settings: dict[str, Any] = field(default_factory=dict)
-    process: subprocess.Popen[bytes] | None = None
-    served_name: str = ""
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
-        """Starts the server and waits until `GET /v1/models` answers; returns the model name
-        it serves."""
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=log,
-                                            env={**os.environ, **self.env},
-                                            start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.engine} server exited with {self.process.returncode}"
-                                   f" while starting; its log:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=5) as reply:
-                    models = json.loads(reply.read())
-                self.served_name = models["data"][0]["id"]
-                return self.served_name
-            except (OSError, urllib.error.URLError, ValueError, KeyError, IndexError):
-                time.sleep(1.0)
-        raise RuntimeError(f"{self.engine} server did not answer /v1/models in {timeout_s:.0f}"
-                           f" s; its log:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """SIGTERM (pagewire then stops its services in order), SIGKILL after STOP_GRACE_S;
-        then whatever it started that is still there, by pid, and its process group."""
-        process = self.process
-        if process is None:
-            return
-        descendants = _children(process.pid)
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        for pid in descendants:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        _end_leftovers(process.pid)
-
-    def log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        except OSError:
-            return ""
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _has_flag(command: list[str], flag: str) -> bool:
@@ -316,8 +221,8 @@ def run_client(server: Server, model_dir: Path, load: Load, work_dir: Path, labe
         done = subprocess.run(command, stdout=log, stderr=log, env={**os.environ, **OFFLINE},
                               timeout=timeout_s, check=False)
     if done.returncode != 0 or not (work_dir / filename).is_file():
-        tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        raise RuntimeError(f"vllm bench serve ({label}) exited with {done.returncode}:\n{tail}")
+        raise RuntimeError(f"vllm bench serve ({label}) exited with {done.returncode}:\n"
+                           f"{log_tail(log_path)}")
     raw: dict[str, Any] = json.loads((work_dir / filename).read_text())
     raw["prompt_alignment"] = prompt_alignment(log_path.read_text(errors="replace"))
     return raw
@@ -827,9 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     model_dir = resolve_model(None)
     data: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python bench/openai_serve.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_header("bench/openai_serve.py", argv),
         "cpus": os.cpu_count(), "load_average_before": os.getloadavg()[0], "git": git_state(),
         "model_dir": str(model_dir), "rates": [rate_text(r) for r in args.rates],
         "num_prompts": args.num_prompts, "input_len": args.input_len,

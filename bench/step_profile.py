@@ -14,10 +14,11 @@ the workload) and the CPU time each service process used meanwhile (/proc, Linux
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from bench.harness import proc_stat, scrape
 
 # Histogram name (without pagewire_gateway_) -> the row it feeds.
 _HISTOGRAMS = {
@@ -44,17 +45,11 @@ class Snapshot:
 
 
 def take_snapshot(metrics_port: int) -> Snapshot:
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        for line in reply.read().decode().splitlines():
-            for name in _HISTOGRAMS:
-                prefix = f"pagewire_gateway_{name}_"
-                if line.startswith(prefix + "sum "):
-                    sums[name] = float(line.split()[1])
-                elif line.startswith(prefix + "count "):
-                    counts[name] = float(line.split()[1])
+    samples = scrape(metrics_port, timeout_s=10)
+    sums = {name: samples[f"pagewire_gateway_{name}_sum"] for name in _HISTOGRAMS
+            if f"pagewire_gateway_{name}_sum" in samples}
+    counts = {name: samples[f"pagewire_gateway_{name}_count"] for name in _HISTOGRAMS
+              if f"pagewire_gateway_{name}_count" in samples}
     return Snapshot(sums, counts, _service_cpu_seconds())
 
 
@@ -67,8 +62,7 @@ def _service_cpu_seconds() -> dict[str, float]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as file:
                 command = file.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as file:
-                fields = file.read().rsplit(")", 1)[1].split()
+            fields = proc_stat(f"/proc/{pid}/stat")
         except OSError:
             continue
         if int(fields[1]) != me:  # the parent pid: only the services this bench started

@@ -27,13 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +40,23 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
-from bench.control_plane import git_state, save_results, service_counters  # noqa: E402
-from bench.gateway_plane import free_port_run, wait_for  # noqa: E402
+from bench.harness import (  # noqa: E402
+    RESULTS,
+    exit_on_sigterm,
+    free_port,
+    git_state,
+    run_header,
+    save_results,
+    service_counters,
+    start_python,
+    stop,
+    wait_for,
+)
 from bench.stream_clients import ClientProcess, spread  # noqa: E402
 from bench.workloads import BenchRequest  # noqa: E402
 from gateway.delivery import AsyncSink, Item, Outbox  # noqa: E402
 from protos import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 WAYS = ("grpc.aio", "outbox")
 TOKEN_ID = 1000
 
@@ -127,11 +133,9 @@ def is_listening(port: int) -> bool:
 
 
 def run_way(way: str, streams: int, messages: int, clients: int) -> dict[str, Any]:
-    port = free_port_run(1)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "bench.stream_floor", "--serve", way, "--port", str(port),
-         "--streams", str(streams), "--messages", str(messages)],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    port = free_port()
+    server = start_python(["-m", "bench.stream_floor", "--serve", way, "--port", str(port),
+                           "--streams", str(streams), "--messages", str(messages)])
     procs: list[ClientProcess] = []
     try:
         wait_for("the floor server", lambda: is_listening(port), [server], 60)
@@ -147,8 +151,7 @@ def run_way(way: str, streams: int, messages: int, clients: int) -> dict[str, An
     finally:
         for proc in procs:
             proc.close()
-        server.kill()
-        server.wait()
+        stop(server)
     counts = [count for final in finals for count in final["counts"]]
     errors = sum(final["error_count"] for final in finals)
     if errors or counts != [messages] * streams:
@@ -190,11 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(args.serve, args.port, args.streams, args.messages))
         return 0
     # Stopped with SIGTERM, run_way's clean-up still stops its server and clients.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    exit_on_sigterm()
     data: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python bench/stream_floor.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_header("bench/stream_floor.py", argv),
         "git": git_state(), "cpus": os.cpu_count(), "load_before": os.getloadavg()[0],
         "runs": []}
     for way in WAYS:

@@ -20,7 +20,7 @@ import pytest
 
 from bench import guidellm_serve
 from bench.guidellm_serve import check_step, engine_failures, summarize
-from bench.openai_serve import free_port
+from bench.harness import free_port
 
 REPORT = json.loads((Path(__file__).parent / "guidellm_report.json").read_text())
 OUT = 128
