@@ -177,7 +177,8 @@ class RunnerLoop:
 
     def plan_step(self) -> Plan:
         """The next Step: frees of finished rows, an APPEND per other allocated row, then
-        ALLOCATEs (the freed rows' new sequences, or rows of the set-up)."""
+        ALLOCATEs (the freed rows' new sequences, or rows of the set-up): the gateway's order
+        (gateway/scheduler.py OPERATION_ORDER; tests/bench checks that they agree)."""
         self.step_id += 1
         frees = self.finishing.pop(self.step_id, [])
         rows = list(range(self.batch - len(self.unallocated)))  # allocated in order: 0, 1, ...

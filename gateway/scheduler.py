@@ -71,8 +71,8 @@ class Grant:
 # The order in which a Step carries its plan's operation groups, and its answer their results:
 # frees first (their blocks serve the rest of the Step), commits, forks (a child exists before
 # its APPEND), appends (running sequences before newcomers), allocates (admissions take what
-# is left). Said here only: step_builder packs, apply_results reads, and bench/control_plane.py
-# orders its Steps by it.
+# is left). Said here only: step_builder packs by it, apply_results reads by it, and
+# bench/control_plane.py's stand-in follows it (tests/bench/test_control_plane.py checks).
 OPERATION_ORDER = ("frees", "commits", "forks", "appends", "allocates")
 
 

@@ -18,6 +18,7 @@ from bench.harness import free_port_run
 from bench.sim_runner import CostModel, sim_token
 from block_service.core import BlockServiceCore
 from block_service.servicer import BlockServicer
+from gateway.scheduler import OPERATION_ORDER
 from protos import block_pb2, runner_pb2, runner_pb2_grpc
 from tests.helpers.services import ServiceProcess
 
@@ -54,11 +55,23 @@ def in_process_loop() -> tuple[RunnerLoop, BlockServicer]:
     return loop, BlockServicer(core, 0)
 
 
+# Which of a plan's groups (gateway/scheduler.py OPERATION_ORDER) each operation kind is.
+GROUP_OF_KIND = {block_pb2.OP_KIND_FREE: "frees", block_pb2.OP_KIND_COMMIT: "commits",
+                 block_pb2.OP_KIND_FORK: "forks", block_pb2.OP_KIND_APPEND: "appends",
+                 block_pb2.OP_KIND_ALLOCATE: "allocates"}
+
+
 def test_loop_steps_check_out_against_the_service_through_frees_and_allocates() -> None:
+    """...and each Step orders its operations as the gateway does."""
     loop, servicer = in_process_loop()
     appends = allocates = frees = 0
+    kinds_seen: set[str] = set()
     for _ in range(300):
         plan = loop.plan_step()
+        groups = [GROUP_OF_KIND[kind] for kind in plan.request.op_kinds]
+        kinds_seen.update(groups)
+        ranks = [OPERATION_ORDER.index(group) for group in groups]
+        assert ranks == sorted(ranks), f"step {loop.step_id}: {groups}"
         loop.check(servicer.Step(plan.request, None), plan)  # type: ignore[arg-type]
         appends += len(plan.rows)
         allocates += len(plan.allocates)
@@ -66,6 +79,7 @@ def test_loop_steps_check_out_against_the_service_through_frees_and_allocates() 
     assert allocates > 256 and frees == allocates - 256  # sequences were replaced
     assert appends > 290 * 250
     assert loop.figures.checked == 300
+    assert kinds_seen == {"frees", "appends", "allocates"}
 
 
 @pytest.mark.parametrize("damage", ["slot", "status", "new block", "step id"])
