@@ -9,7 +9,8 @@ PROTOS := protos/block.proto protos/runner.proto protos/gateway.proto
 # torch comes first, pinned to the CPU build where there is no CUDA: a plain `torch`
 # requirement would pull a CUDA build of several GB.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
-PYTEST_ARGS ?=
+# The slowest tests close every run's log: the suite must stay under 15 minutes here.
+PYTEST_ARGS ?= --durations=15
 
 .PHONY: setup proto lint test run bench bench-peers fuzz clean image image-cuda checkov-venv
 
