@@ -278,7 +278,6 @@ def run_until_signal(service: GrpcService, on_stop: Callable[[], None] | None = 
     `on_stop` runs after the server has drained (release models, close channels). The
     process has started by now: its start-up heap is frozen for the collector (common/heap.py).
     """
-    freeze_start_up_heap()
     requested = threading.Event()
 
     def handle(signum: int, _frame: FrameType | None) -> None:
@@ -287,6 +286,8 @@ def run_until_signal(service: GrpcService, on_stop: Callable[[], None] | None = 
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+    # After the handlers: a stop asked for during the collection is still a graceful one.
+    freeze_start_up_heap()
     while not requested.wait(0.5):
         pass
     service.stop()
