@@ -89,10 +89,13 @@ class StepPlan:
 
     @property
     def num_ops(self) -> int:
-        return sum(len(getattr(self, group)) for group in OPERATION_ORDER)
+        return (len(self.frees) + len(self.commits) + len(self.forks) + len(self.appends)
+                + len(self.allocates))
 
     def split_results(self, results: list[OpResult]) -> dict[str, list[OpResult]]:
         """A Step's answer (one result per operation, in OPERATION_ORDER) by group."""
+        if len(results) != self.num_ops:
+            raise ValueError(f"{len(results)} results for {self.num_ops} operations")
         by_group: dict[str, list[OpResult]] = {}
         start = 0
         for group in OPERATION_ORDER:

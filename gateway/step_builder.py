@@ -7,10 +7,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.scheduler import OPERATION_ORDER, OpOutcome, OpResult, StepPlan, Work
+from gateway.scheduler import (
+    OPERATION_ORDER,
+    FreeOp,
+    Grant,
+    OpOutcome,
+    OpResult,
+    StepPlan,
+    Work,
+)
 from gateway.sequence import SamplingConfig, Sequence
 from protos import block_pb2, runner_pb2
 
@@ -50,10 +58,10 @@ def build_step_request(plan: StepPlan, session_id: str, pool_id: str, step_id: i
 
     `cache_salts` maps request ids to their tenant salt (absent: no salt).
     """
-    cols = _Columns([], [], [], [], [], [], [])
-    salts: dict[int, str] = {}
-    for group in OPERATION_ORDER:
-        _PACKERS[group](cols, plan, cache_salts, salts)
+    packer = _StepPacker(cache_salts)
+    for group in OPERATION_ORDER:  # the packer's method for a group is named as the group
+        getattr(packer, group)(getattr(plan, group))
+    cols = packer.cols
     return block_pb2.StepRequest(
         session_id=session_id,
         pool_id=pool_id,
@@ -65,69 +73,61 @@ def build_step_request(plan: StepPlan, session_id: str, pool_id: str, step_id: i
         token_ids=cols.token_ids,
         parent_seq_ids=cols.parent_ids,
         num_computed_tokens=cols.computed,
-        cache_salts=salts,
+        cache_salts=packer.salts,
         num_lookahead_slots=cols.lookaheads if any(cols.lookaheads) else [],
     )
 
 
-# Each packer adds one group of the plan's operations to the columns (and its tenant salts,
-# keyed by operation index, to `salts`).
-_Packer = Callable[[_Columns, StepPlan, Mapping[str, str], dict[int, str]], None]
+class _StepPacker:
+    """Adds a plan's operation groups to a StepRequest's columns, one method per group."""
 
+    def __init__(self, salts_of: Mapping[str, str]) -> None:
+        self.cols = _Columns([], [], [], [], [], [], [])
+        self.salts_of = salts_of  # request id -> tenant salt
+        self.salts: dict[int, str] = {}  # operation index -> tenant salt, for ALLOCATEs
 
-def _pack_frees(cols: _Columns, plan: StepPlan, _salts_of: Mapping[str, str],
-                _salts: dict[int, str]) -> None:
-    for free in plan.frees:
-        cols.add(block_pb2.OP_KIND_FREE, free.block_seq_id, [], computed=free.num_computed)
+    def frees(self, frees: list[FreeOp]) -> None:
+        for free in frees:
+            self.cols.add(block_pb2.OP_KIND_FREE, free.block_seq_id, [],
+                          computed=free.num_computed)
 
+    def commits(self, commits: list[Sequence]) -> None:
+        for seq in commits:
+            self.cols.add(block_pb2.OP_KIND_COMMIT, seq.block_seq_id, [],
+                          computed=seq.reportable_computed)
 
-def _pack_commits(cols: _Columns, plan: StepPlan, _salts_of: Mapping[str, str],
-                  _salts: dict[int, str]) -> None:
-    for seq in plan.commits:
-        cols.add(block_pb2.OP_KIND_COMMIT, seq.block_seq_id, [],
-                 computed=seq.reportable_computed)
+    def forks(self, forks: list[tuple[Sequence, Sequence]]) -> None:
+        for parent, child in forks:
+            self.cols.add(block_pb2.OP_KIND_FORK, child.block_seq_id, [],
+                          parent_id=parent.block_seq_id)
 
+    def appends(self, appends: list[Grant]) -> None:
+        """Decodes, the bulk of a step: the columns filled directly (no call per operation)."""
+        cols = self.cols
+        kinds, seq_ids, counts, token_ids = (cols.kinds, cols.seq_ids, cols.token_counts,
+                                             cols.token_ids)
+        parents, computed, lookaheads = cols.parent_ids, cols.computed, cols.lookaheads
+        for grant in appends:
+            seq = grant.seq
+            new = seq.token_ids[seq.num_registered:grant.register_end]
+            kinds.append(block_pb2.OP_KIND_APPEND)
+            seq_ids.append(seq.block_seq_id)
+            counts.append(len(new))
+            token_ids.extend(new)
+            parents.append(0)
+            # The KV confirmed so far: the block service publishes full blocks within it, so
+            # it must never count the Execute in flight (nor a position it has not been told).
+            computed.append(seq.num_computed)
+            lookaheads.append(grant.lookahead)
 
-def _pack_forks(cols: _Columns, plan: StepPlan, _salts_of: Mapping[str, str],
-                _salts: dict[int, str]) -> None:
-    for parent, child in plan.forks:
-        cols.add(block_pb2.OP_KIND_FORK, child.block_seq_id, [], parent_id=parent.block_seq_id)
-
-
-def _pack_appends(cols: _Columns, plan: StepPlan, _salts_of: Mapping[str, str],
-                  _salts: dict[int, str]) -> None:
-    """Decodes, the bulk of a step: the columns filled directly (no call per operation)."""
-    kinds, seq_ids, counts, token_ids = cols.kinds, cols.seq_ids, cols.token_counts, cols.token_ids
-    parents, computed, lookaheads = cols.parent_ids, cols.computed, cols.lookaheads
-    for grant in plan.appends:
-        seq = grant.seq
-        new = seq.token_ids[seq.num_registered:grant.register_end]
-        kinds.append(block_pb2.OP_KIND_APPEND)
-        seq_ids.append(seq.block_seq_id)
-        counts.append(len(new))
-        token_ids.extend(new)
-        parents.append(0)
-        # The KV confirmed so far: the block service publishes full blocks within it, so it
-        # must never count the Execute in flight (nor a position it has not been told).
-        computed.append(seq.num_computed)
-        lookaheads.append(grant.lookahead)
-
-
-def _pack_allocates(cols: _Columns, plan: StepPlan, salts_of: Mapping[str, str],
-                    salts: dict[int, str]) -> None:
-    for grant in plan.allocates:
-        seq = grant.seq
-        salt = salts_of.get(seq.request_id, "")
-        if salt:
-            salts[len(cols.kinds)] = salt
-        cols.add(block_pb2.OP_KIND_ALLOCATE, seq.block_seq_id, seq.token_ids[:seq.alloc_len])
-
-
-_PACKERS: dict[str, _Packer] = {
-    "frees": _pack_frees, "commits": _pack_commits, "forks": _pack_forks,
-    "appends": _pack_appends, "allocates": _pack_allocates,
-}
-assert set(_PACKERS) == set(OPERATION_ORDER), "a packer per operation group"
+    def allocates(self, allocates: list[Grant]) -> None:
+        for grant in allocates:
+            seq = grant.seq
+            salt = self.salts_of.get(seq.request_id, "")
+            if salt:
+                self.salts[len(self.cols.kinds)] = salt
+            self.cols.add(block_pb2.OP_KIND_ALLOCATE, seq.block_seq_id,
+                          seq.token_ids[:seq.alloc_len])
 
 
 def parse_step_response(response: block_pb2.StepResponse, num_ops: int) -> list[OpResult]:
