@@ -280,7 +280,7 @@ def test_a_reader_that_stops_reading_holds_up_no_one_and_gets_everything_merged(
         assert stack.wait_idle(timeout_s=30).used_blocks == 0  # the slow request ended too
         messages = [first, *stream]
     finally:
-        slow.close()
+        channel.close()  # the client does not own a channel it was given
     tokens = [t for message in messages for out in message.outputs for t in out.token_ids]
     assert tokens == expected_tokens(prompt, max_tokens)
     # Far fewer messages than tokens: once the window was full, its progress was merged
