@@ -40,7 +40,7 @@ from bench import workloads  # noqa: E402
 from bench.harness import (  # noqa: E402
     RESULTS,
     Server,
-    free_port,
+    exit_on_sigterm,
     free_port_run,
     git_state,
     run_header,
@@ -100,48 +100,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     model_dir = resolve_model(None)
-    port = free_port_run(2)  # `pagewire serve --gateways 2` serves on port and port + 1
-    addresses = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
     data: dict[str, Any] = {
         **run_header("bench/gateway_replicas.py", argv),
         "git": git_state(), "cpus": os.cpu_count(), "model": str(model_dir.name),
         "runs": []}
     with tempfile.TemporaryDirectory(prefix="gateway-replicas-") as logs:
-        log_dir = Path(logs)
-        http_port = free_port()
-        server = Server("pagewire", serve_command(model_dir, port, http_port,
-                                                  log_dir / "services"),
-                        dict(OFFLINE), http_port, log_dir / "pagewire.log")
-        data["server"] = " ".join(server.command)
-        try:
-            server.start(START_TIMEOUT_S)  # the first gateway's HTTP API answers
-            assert server.process is not None
-            try:
-                wait_for("the gateways to serve",
-                         lambda: all(is_serving(address) for address in addresses),
-                         [server.process], 60)
-            except RuntimeError:
-                raise SystemExit(f"the gateways did not serve:\n{server.log_tail()}") from None
-            warm = salted(workloads.offline_throughput(seed=WARM_UP_SEED), "warm-up")
-            run_way(WAYS[1], addresses, warm)
-            for round_index in range(args.rounds):
-                requests = round_workload(round_index)
-                order = WAYS if round_index % 2 == 0 else WAYS[::-1]
-                for way in order:
-                    settled = wait_until_quiet()
-                    seconds, tokens = run_way(way, addresses, salted(
-                        requests, f"round-{round_index}-{way}"))
-                    run = {"round": round_index + 1, "way": way, "seconds": seconds,
-                           "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-                           "settled_s": settled}
-                    data["runs"].append(run)
-                    print(f"round {round_index + 1} {way}: {tokens} tokens in {seconds:.1f} s, "
-                          f"{tokens / seconds:.1f} tok/s", flush=True)
-        finally:
-            server.stop()
+        measure(model_dir, Path(logs), args.rounds, data)
+    # Only a whole run replaces the results (an interrupted one prints its runs as it goes).
     save_results(args.results, "gateway_replicas", data, markdown(data))
     return 0
+
+
+def measure(model_dir: Path, log_dir: Path, rounds: int, data: dict[str, Any]) -> None:
+    """One launch, its warm-up, then `rounds` rounds; each run is added to data["runs"]."""
+    # `pagewire serve --gateways 2` serves gRPC on port and port + 1, HTTP on http_port and
+    # http_port + 1: one run of four free ports.
+    port = free_port_run(4)
+    http_port = port + 2
+    addresses = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    server = Server("pagewire", serve_command(model_dir, port, http_port, log_dir / "services"),
+                    dict(OFFLINE), http_port, log_dir / "pagewire.log")
+    data["server"] = " ".join(server.command)
+    try:
+        server.start(START_TIMEOUT_S)  # the first gateway's HTTP API answers
+        assert server.process is not None
+        try:
+            wait_for("the gateways to serve",
+                     lambda: all(is_serving(address) for address in addresses),
+                     [server.process], 60)
+        except RuntimeError:
+            raise SystemExit(f"the gateways did not serve:\n{server.log_tail()}") from None
+        warm = salted(workloads.offline_throughput(seed=WARM_UP_SEED), "warm-up")
+        run_way(WAYS[1], addresses, warm)
+        for round_index in range(rounds):
+            requests = round_workload(round_index)
+            order = WAYS if round_index % 2 == 0 else WAYS[::-1]
+            for way in order:
+                settled = wait_until_quiet()
+                seconds, tokens = run_way(way, addresses, salted(
+                    requests, f"round-{round_index}-{way}"))
+                data["runs"].append({"round": round_index + 1, "way": way, "seconds": seconds,
+                                     "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                                     "settled_s": settled})
+                print(f"round {round_index + 1} {way}: {tokens} tokens in {seconds:.1f} s, "
+                      f"{tokens / seconds:.1f} tok/s", flush=True)
+    finally:
+        server.stop()
 
 
 def ratios(data: dict[str, Any]) -> list[float]:

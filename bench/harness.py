@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.peers.child import _end_leftovers
+from bench.peers.child import end_leftovers
 from gateway.launcher import free_port as free_port  # the one free-port function, re-exported
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +58,10 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
 
 # ---- figures --------------------------------------------------------------------------------
 def percentile(values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile, `fraction` in [0, 1] (0 for no values): a value that was
-    measured, not one interpolated between two."""
+    """The sorted values' element at index int(fraction * n) (the last for fraction 1; 0 for
+    no values): a value that was measured, not one interpolated between two. One rank above
+    the textbook nearest rank where fraction * n is whole; kept so figures stay comparable
+    with earlier runs."""
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -260,7 +262,7 @@ class Server:
         for pid in descendants:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _end_leftovers(process.pid)
+        end_leftovers(process.pid)
 
     def log_tail(self) -> str:
         return log_tail(self.log_path)

@@ -60,7 +60,7 @@ def _stop_group(process: subprocess.Popen[str]) -> None:
             continue
 
 
-def _end_leftovers(group: int, wait_s: float = 10.0) -> None:
+def end_leftovers(group: int, wait_s: float = 10.0) -> None:
     """Kills what a peer that exited left running in its process group (vLLM's engine core
     can outlive its parent) and waits until it is gone: the next measurement needs the CPU."""
     deadline = time.monotonic() + wait_s
@@ -145,7 +145,7 @@ class PeerProcess:
         """Ends the peer for good: it timed out (`timed_out` says how) or it exited."""
         if self._process.poll() is None:
             _stop_group(self._process)
-        _end_leftovers(self._process.pid)
+        end_leftovers(self._process.pid)
         why = timed_out
         if not why:
             why = f"failed (exit code {self._process.returncode})"
@@ -166,6 +166,6 @@ class PeerProcess:
                 self._process.wait(timeout=_CLOSE_WAIT_S)
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 _stop_group(self._process)
-        _end_leftovers(self._process.pid)
+        end_leftovers(self._process.pid)
         self._log.close()
         shutil.rmtree(self._folder, ignore_errors=True)
