@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -51,7 +50,10 @@ from bench.openai_serve import OFFLINE, PAGEWIRE  # noqa: E402
 from bench.timing import run_workload  # noqa: E402
 from bench.w1 import (  # noqa: E402
     WARM_UP_SEED,
+    Ratio,
     check_counts,
+    per_round_ratio,
+    round_order,
     round_workload,
     wait_until_quiet,
 )
@@ -136,8 +138,7 @@ def measure(model_dir: Path, log_dir: Path, rounds: int, data: dict[str, Any]) -
         run_way(WAYS[1], addresses, warm)
         for round_index in range(rounds):
             requests = round_workload(round_index)
-            order = WAYS if round_index % 2 == 0 else WAYS[::-1]
-            for way in order:
+            for way in round_order(round_index, WAYS):
                 settled = wait_until_quiet()
                 seconds, tokens = run_way(way, addresses, salted(
                     requests, f"round-{round_index}-{way}"))
@@ -150,12 +151,11 @@ def measure(model_dir: Path, log_dir: Path, rounds: int, data: dict[str, Any]) -
         server.stop()
 
 
-def ratios(data: dict[str, Any]) -> list[float]:
-    """two ÷ one, per round."""
-    by_round: dict[int, dict[str, float]] = {}
-    for run in data["runs"]:
-        by_round.setdefault(run["round"], {})[run["way"]] = run["tokens_per_s"]
-    return [ways[WAYS[1]] / ways[WAYS[0]] for ways in by_round.values() if len(ways) == 2]
+def ratio(data: dict[str, Any]) -> Ratio | None:
+    """two ÷ one over the rounds both ways ran."""
+    rates = {way: [run["tokens_per_s"] for run in sorted(data["runs"], key=lambda r: r["round"])
+                   if run["way"] == way] for way in WAYS}
+    return per_round_ratio(rates[WAYS[1]], rates[WAYS[0]])
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -166,11 +166,11 @@ def markdown(data: dict[str, Any]) -> str:
     for run in data["runs"]:
         lines.append(f"| {run['round']} | {run['way']} | {run['seconds']:.1f} | "
                      f"{run['output_tokens']} | {run['tokens_per_s']:.1f} |")
-    per_round = ratios(data)
-    if per_round:
-        lines += ["", f"two gateways ÷ one, per round: median {statistics.median(per_round):.3f} "
-                      f"(min {min(per_round):.3f}, max {max(per_round):.3f}, "
-                      f"{len(per_round)} rounds)."]
+    two_over_one = ratio(data)
+    if two_over_one is not None:
+        lines += ["", f"two gateways ÷ one, per round: median {two_over_one.median:.3f} "
+                      f"(min {two_over_one.low:.3f}, max {two_over_one.high:.3f}, "
+                      f"{two_over_one.rounds} rounds)."]
     return "\n".join(lines) + "\n"
 
 
