@@ -151,19 +151,29 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
+def accepts_channels(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether a gRPC channel to `address` becomes ready within `timeout_s` (for servers
+    without a health service; wait_for polls it)."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return False
+    return True
+
+
 @contextlib.contextmanager
 def block_service_process(extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     """`python -m block_service` on a free loopback port; yields its address once its channel
-    is ready."""
-    import grpc
-
-    port = free_port()
-    server = start_python(["-m", "block_service", "--port", str(port), "--log-level",
-                           "WARNING", *extra_args])
+    is ready (an error at once if it exits first)."""
+    address = f"127.0.0.1:{free_port()}"
+    server = start_python(["-m", "block_service", "--port", address.rsplit(":", 1)[1],
+                           "--log-level", "WARNING", *extra_args])
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            grpc.channel_ready_future(channel).result(timeout=30)
-        yield f"127.0.0.1:{port}"
+        wait_for("the block service", lambda: accepts_channels(address), [server], 30)
+        yield address
     finally:
         stop(server)
 

@@ -42,6 +42,7 @@ import grpc  # noqa: E402
 
 from bench.harness import (  # noqa: E402
     RESULTS,
+    accepts_channels,
     exit_on_sigterm,
     free_port,
     git_state,
@@ -121,24 +122,14 @@ async def serve(way: str, port: int, streams: int, messages: int) -> None:
     await server.wait_for_termination()
 
 
-def is_listening(port: int) -> bool:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        grpc.channel_ready_future(channel).result(timeout=0.5)
-        return True
-    except grpc.FutureTimeoutError:
-        return False
-    finally:
-        channel.close()
-
-
 def run_way(way: str, streams: int, messages: int, clients: int) -> dict[str, Any]:
     port = free_port()
     server = start_python(["-m", "bench.stream_floor", "--serve", way, "--port", str(port),
                            "--streams", str(streams), "--messages", str(messages)])
     procs: list[ClientProcess] = []
     try:
-        wait_for("the floor server", lambda: is_listening(port), [server], 60)
+        wait_for("the floor server", lambda: accepts_channels(f"127.0.0.1:{port}"), [server],
+                 60)
         cpu_before = service_counters(server.pid)[0]
         started = time.perf_counter()
         requests = [BenchRequest([1, 2, 3], messages) for _ in range(streams)]
