@@ -26,6 +26,7 @@ from protos import gateway_pb2
 STOP = gateway_pb2.FINISH_REASON_STOP
 LENGTH = gateway_pb2.FINISH_REASON_LENGTH
 ABORT = gateway_pb2.FINISH_REASON_ABORT
+UNFINISHED = gateway_pb2.FINISH_REASON_UNSPECIFIED
 
 # A final_only request's outputs are sent early, as a part, once what they hold may reach this
 # many bytes: the whole completion of a long request (with n outputs and logprobs) can pass
@@ -67,7 +68,7 @@ class OutputState:
         self.index = index
         self.detokenizer = IncrementalDetokenizer(decode, prompt_ids)
         self.stop_matcher = StopStringMatcher(stop)
-        self.finish_reason: gateway_pb2.FinishReason = gateway_pb2.FINISH_REASON_UNSPECIFIED
+        self.finish_reason: gateway_pb2.FinishReason = UNFINISHED
         self.pending_text: list[str] = []  # pieces: joined once, when taken
         self.pending_ids: list[int] = []
         self.pending_logprobs: list[gateway_pb2.PositionLogprobs] = []
@@ -76,7 +77,7 @@ class OutputState:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
+        return self.finish_reason != UNFINISHED
 
     def add_text(self, text: str) -> None:
         self._hold_text(self.stop_matcher.add(text))
@@ -185,7 +186,11 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(output.finished for output in self.outputs)
+        # A loop, not all() over a generator: asked for every row of every step.
+        for output in self.outputs:  # noqa: SIM110
+            if not output.finished:
+                return False
+        return True
 
     def add_token(self, seq: Seq, token_id: int, logprobs: TokenLogprobs | None) -> bool:
         """Appends a sampled token to `seq` and its output; True when the output ended."""

@@ -232,34 +232,33 @@ class Scheduler:
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
+        appends = plan.appends
         for seq in self.running:
-            if seq.is_fork_ready:
-                group = [seq, *seq.pending_children]
-                if budget < len(group):
-                    continue
-                for child in seq.pending_children:
-                    # The child starts where its parent is: it appends the same last token.
-                    child.block_seq_id = next(self._block_seq_ids)
-                    child.num_registered = seq.num_registered
-                    child.num_computed = child.num_committed = seq.num_computed
-                    child.num_scheduled = seq.num_scheduled
-                    plan.forks.append((seq, child))
-                for member in group:
-                    plan.appends.append(self._decode_grant(member))
-                budget -= len(group)
-            elif seq.is_decode_ready and not seq.is_last_token_pending:
-                if budget < 1:
-                    continue
-                plan.appends.append(self._decode_grant(seq))
+            if seq.pending_children:
+                budget = self._schedule_fork(plan, seq, budget)
+                continue
+            if budget < 1:
+                break
+            if seq.is_decode_ready and not seq.is_last_token_pending:
+                appends.append(Grant(seq, 1, *seq.decode_append()))
                 budget -= 1
         return budget
 
-    @staticmethod
-    def _decode_grant(seq: Sequence) -> Grant:
-        """One position: its token's value is known, or the Execute in flight samples it
-        (then the APPEND reserves the position and the next one fills it in)."""
-        register_end = min(seq.num_tokens, seq.num_scheduled + 1)
-        return Grant(seq, 1, register_end, int(seq.num_scheduled == seq.num_tokens))
+    def _schedule_fork(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        """A parent whose prompt is computed forks its children and all decode together."""
+        group = [seq, *seq.pending_children]
+        if not seq.is_decode_ready or budget < len(group):
+            return budget
+        for child in seq.pending_children:
+            # The child starts where its parent is: it appends the same last token.
+            child.block_seq_id = next(self._block_seq_ids)
+            child.num_registered = seq.num_registered
+            child.num_computed = child.num_committed = seq.num_computed
+            child.num_scheduled = seq.num_scheduled
+            plan.forks.append((seq, child))
+        for member in group:
+            plan.appends.append(Grant(member, 1, *member.decode_append()))
+        return budget - len(group)
 
     def _schedule_prefills(self, plan: StepPlan, budget: int) -> int:
         for seq in self.running:
@@ -441,13 +440,10 @@ class Scheduler:
                       outcome: StepOutcome) -> None:
         failed = {seq for seq, _ in outcome.failed}
         skip = victims | failed | set(no_space)
-        for grant in plan.appends:
-            seq = grant.seq
-            if seq in skip or seq not in appended:
-                continue
-            slots = appended[seq]
-            outcome.work.append(self._scheduled(Work(seq, seq.num_scheduled, len(slots), slots,
-                                                     True)))
+        work, scheduled = outcome.work, self._scheduled
+        for seq, slots in appended.items():  # in the plan's order
+            if seq not in skip:
+                work.append(scheduled(Work(seq, seq.num_scheduled, len(slots), slots, True)))
         for grant in [*plan.prefills, *admitted]:
             seq = grant.seq
             if seq in skip or seq.status is not SeqStatus.RUNNING:

@@ -129,10 +129,19 @@ class Sequence:
 
     @property
     def is_decode_ready(self) -> bool:
-        """Every position the block service holds is scheduled, and one more token (known,
-        or being sampled by the Execute in flight) awaits its slot."""
-        return (self.num_scheduled == self.num_registered + self.reserved
-                < self.num_tokens + self.num_pending)
+        """Every position the block service holds is scheduled (a reserved one included),
+        and one more token (known, or being sampled by the Execute in flight) awaits its
+        slot."""
+        scheduled = self.num_scheduled
+        return (0 <= scheduled - self.num_registered <= 1
+                and scheduled < len(self.token_ids) + self.num_pending)
+
+    def decode_append(self) -> tuple[int, int]:
+        """Its next decode's APPEND as (register_end, lookahead): one position, whose token's
+        value is known, or which the Execute in flight samples (then the APPEND reserves the
+        position and the next one fills it in)."""
+        scheduled, num_tokens = self.num_scheduled, len(self.token_ids)
+        return min(num_tokens, scheduled + 1), int(scheduled == num_tokens)
 
     @property
     def reportable_computed(self) -> int:
@@ -144,10 +153,6 @@ class Sequence:
     def is_last_token_pending(self) -> bool:
         """The Execute in flight samples the token that ends this sequence by length."""
         return self.num_pending > 0 and self.num_tokens + self.num_pending >= self.max_num_tokens
-
-    @property
-    def is_fork_ready(self) -> bool:
-        return bool(self.pending_children) and self.is_decode_ready
 
     def forget_allocation(self) -> None:
         """Back to the state of a sequence that holds no blocks (kept tokens: recompute)."""

@@ -24,11 +24,11 @@ class StopStringMatcher:
         """Adds new text; returns what can be streamed now. Sets `stopped` on a match."""
         if self.stopped or not text:
             return ""
+        if not self._stop:  # nothing to hold back, nothing to keep: every row of every step
+            return text
         # A match may start up to longest-1 characters before the new text.
         search_from = max(0, len(self._text) - self._longest + 1)
         self._text += text
-        if not self._stop:
-            return self._release(len(self._text))
         match = self._first_match(search_from)
         if match is not None:
             self.stopped = True
