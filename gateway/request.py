@@ -95,14 +95,21 @@ class OutputState:
             self.held_bytes += _TOKEN_LOGPROB_BYTES * (1 + len(logprobs.top))
 
     def finish(self, reason: gateway_pb2.FinishReason) -> None:
-        """Ends the output; complete text still held (no stop string matched) is released."""
+        """Ends the output; complete text still held (no stop string matched) is released
+        unless it is aborted."""
         if self.finished:
             return
-        if reason != ABORT:
-            self.add_text(self.detokenizer.flush())
-            if not self.stop_matcher.stopped:
-                self._hold_text(self.stop_matcher.flush())
+        self.catch_up()
+        if reason != ABORT and not self.stop_matcher.stopped:
+            self._hold_text(self.stop_matcher.flush())
         self.finish_reason = reason
+
+    def catch_up(self) -> None:
+        """Decodes what the detokenizer holds, a partial character aside: at the end, and
+        before an error ends the stream, the tokens whose text waited for a message
+        (Request.text_every_token) get it as they would have at their steps."""
+        if not self.finished:
+            self.add_text(self.detokenizer.flush())
 
     def take_delta(self, message: gateway_pb2.GenerateResponse) -> bool:
         """Adds the progress since the last call to `message`; False when there is none.
@@ -146,6 +153,11 @@ class Request:
         self.cache_salt = cache_salt
         self.final_only = final_only  # one message, at the end
         self.stream_interval = stream_interval  # tokens per message, at most (the last aside)
+        # Whether each token's text is needed as it comes: stop strings are looked for in it,
+        # and a final_only request's parts are sized by it. Otherwise a step decodes a row
+        # only when its request sends a message (the runner loop's _take_samples): the
+        # tokens since the last one wait in the detokenizer and are decoded together.
+        self.text_every_token = final_only or any(params.stop)
         # Decodes many token windows at once (the runner loop's per-step pass).
         self.decode_batch: DecodeBatchFn = decode_batch or (
             lambda windows: [decode(window) for window in windows])
@@ -223,7 +235,14 @@ class Request:
         output.add_text(text)
         if output.stop_matcher.stopped:
             output.finish(STOP)
-        elif seq.num_output_tokens >= self.params.max_tokens or seq.num_tokens >= self.max_len:
+            return True
+        return self.take_length(seq)
+
+    def take_length(self, seq: Seq) -> bool:
+        """Ends `seq`'s output when it has reached its length (its text, decoded or waiting,
+        is released); True when the output has ended."""
+        output = self.outputs[seq.index]
+        if seq.num_output_tokens >= self.params.max_tokens or seq.num_tokens >= self.max_len:
             output.finish(LENGTH)
         return output.finished
 
@@ -238,13 +257,21 @@ class Request:
             cached_tokens=self.cached_tokens,
         )
 
-    def flush(self, outbox: Outbox | None = None) -> None:
+    def message_due(self) -> bool:
+        """Whether `flush` would send a message now."""
+        return not self.closed and (self.finished or self._message_due())
+
+    def flush(self, outbox: Outbox | None = None, due: bool | None = None) -> None:
         """Puts one message with every output's progress on the stream when one is due (the
-        last one with usage, then the end marker), through `outbox` when given."""
+        last one with usage, then the end marker), through `outbox` when given.
+
+        `due`: what `message_due` said before this step's text was decoded, which decided
+        whose text was (a reader that caught up since waits for the next step, whose text
+        is decoded then); None asks now."""
         if self.closed:
             return
         done = self.finished
-        if not done and not self._message_due():
+        if not done and not (self._message_due() if due is None else due):
             return
         message = gateway_pb2.GenerateResponse(request_id=self.public_id)
         if not self._take_deltas(message) and not done:
@@ -280,6 +307,8 @@ class Request:
         if self.closed:
             return
         if not self.final_only:  # what coalescing held back still reaches the reader
+            for output in self.outputs:
+                output.catch_up()
             held = gateway_pb2.GenerateResponse(request_id=self.public_id)
             if self._take_deltas(held):
                 self._put(held, None)

@@ -34,7 +34,6 @@ import grpc
 from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.delivery import Outbox
-from gateway.detokenizer import new_texts
 from gateway.request import Request, TokenLogprobs
 from gateway.retry import (
     BLOCK_SERVICE,
@@ -45,6 +44,7 @@ from gateway.retry import (
     RetryPolicy,
     call_with_retry,
 )
+from gateway.sampled import SampledRow, take_sampled
 from gateway.scheduler import Scheduler, StepOutcome, StepPlan, Work
 from gateway.sequence import SeqStatus, Sequence
 from gateway.step_builder import (
@@ -550,23 +550,18 @@ class RunnerLoop:
             )
         logprobs = _split_logprobs(reply)
         metrics.GENERATED_TOKENS.inc(len(sampled))
-        touched: dict[str, Request] = {}
-        decoding: list[tuple[Request, Sequence]] = []  # rows whose token has text to decode
+        rows: list[SampledRow] = []
         for i, seq in enumerate(sampled):
             request = self._requests.get(seq.request_id)
-            if request is None or seq.status is not SeqStatus.RUNNING:
-                continue
-            if request.take_token(seq, reply.token_ids[i], logprobs[i] if logprobs else None):
-                self.scheduler.finish(seq)
-            else:
-                decoding.append((request, seq))
-            touched[request.request_id] = request
-        for (request, seq), text in zip(decoding, _decode_rows(decoding), strict=True):
-            if request.take_text(seq, text):
-                self.scheduler.finish(seq)
+            if request is not None and seq.status is SeqStatus.RUNNING:
+                rows.append(SampledRow(request, seq, reply.token_ids[i],
+                                       logprobs[i] if logprobs else None))
+        taken = take_sampled(rows)
+        for seq in taken.ended:
+            self.scheduler.finish(seq)
         outbox = Outbox()  # the step's messages: one wake-up per reader's event loop
-        for request in touched.values():
-            request.flush(outbox)
+        for request, due in taken.due.items():
+            request.flush(outbox, due)
             if request.closed:
                 self._forget(request)
                 metrics.REQUESTS.labels("finished").inc()
@@ -627,19 +622,6 @@ def _backend_info(reply: runner_pb2.InfoResponse) -> BackendInfo:
         num_blocks=reply.num_blocks, block_size=reply.block_size, dtype=reply.dtype,
         device=reply.device, epoch=reply.epoch,
     )
-
-
-def _decode_rows(rows: list[tuple[Request, Sequence]]) -> list[str]:
-    """Each row's new text: one batched decode per tokenizer (all requests share one)."""
-    texts: list[str] = [""] * len(rows)
-    by_decoder: dict[Any, list[int]] = {}
-    for index, (request, _) in enumerate(rows):
-        by_decoder.setdefault(request.decode_batch, []).append(index)
-    for decode_batch, indices in by_decoder.items():
-        detokenizers = [rows[i][0].outputs[rows[i][1].index].detokenizer for i in indices]
-        for i, text in zip(indices, new_texts(detokenizers, decode_batch), strict=True):
-            texts[i] = text
-    return texts
 
 
 def _split_logprobs(reply: runner_pb2.ExecuteResponse) -> list[TokenLogprobs]:

@@ -2,9 +2,11 @@
 reorders a token, a piece of text, a logprob or a finish reason.
 
 Each case runs the same random token stream twice through a Request: once as the reference
-(stream_interval 1, a reader that takes every message at once) and once coalesced (a random
-interval, a reader that takes what is there only at random steps, sometimes never until the
-end). What the reader assembles must be the same; the coalesced stream must stay bounded.
+(stream_interval 1, a reader that takes every message at once, each token's text decoded as
+it comes) and once coalesced (a random interval, a reader that takes what is there only at
+random steps, sometimes never until the end), fed as the runner loop feeds a step
+(gateway/sampled.py: a token's text waits until its request sends a message). What the reader
+assembles must be the same; the coalesced stream must stay bounded.
 """
 
 from __future__ import annotations
@@ -15,15 +17,21 @@ from dataclasses import dataclass
 
 from gateway.delivery import StreamError
 from gateway.request import MAX_UNREAD, Request, TokenLogprobs
+from gateway.sampled import SampledRow, take_sampled
 from gateway.sequence import SamplingConfig
 from protos import gateway_pb2
 
 CASES = 600
-VOCAB = 12  # small, so stop strings and stop tokens occur
+LETTERS = "abcdefghijkl"
+# Small, so stop strings and stop tokens occur; the last two tokens are the two bytes of "é",
+# so a character split across tokens (and a lone byte of one) is decoded too.
+TOKEN_BYTES = [letter.encode() for letter in LETTERS] + [b"\xc3", b"\xa9"]
+VOCAB = len(TOKEN_BYTES)
+EOS = len(LETTERS) - 1
 
 
 def decode(ids: Sequence[int]) -> str:
-    return "".join("abcdefghijkl"[i] for i in ids)
+    return b"".join(TOKEN_BYTES[i] for i in ids).decode(errors="replace")
 
 
 class Reader:
@@ -60,7 +68,7 @@ class Case:
 def random_case(rng: random.Random) -> Case:
     n = rng.choice((1, 1, 2, 3))
     max_tokens = rng.randint(1, 40)
-    stop = tuple("".join(rng.choice("abcdefghijkl") for _ in range(rng.randint(1, 3)))
+    stop = tuple("".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 3)))
                  for _ in range(rng.choice((0, 0, 1, 2))))
     return Case(
         n=n, max_tokens=max_tokens, stop=stop,
@@ -72,22 +80,28 @@ def random_case(rng: random.Random) -> Case:
         end=rng.choice(("abort", "fail")))
 
 
-def run(case: Case, stream_interval: int, take_every: float, rng: random.Random
-        ) -> tuple[Reader, Request]:
-    """The case through a Request; after each step the reader takes what is there with
-    probability `take_every`."""
+def run(case: Case, stream_interval: int, take_every: float, rng: random.Random,
+        as_steps: bool) -> tuple[Reader, Request]:
+    """The case through a Request, token by token (add_token) or as the runner loop's steps
+    (take_sampled); after each step the reader takes what is there with probability
+    `take_every`."""
     reader = Reader()
     params = SamplingConfig(max_tokens=case.max_tokens, n=case.n, stop=case.stop,
                             stop_token_ids=case.stop_token_ids, logprobs=case.logprobs)
-    request = Request("r", [1, 2], params, max_len=1000, eos_ids=frozenset({VOCAB - 1}),
+    request = Request("r", [1, 2], params, max_len=1000, eos_ids=frozenset({EOS}),
                       decode=decode, stream=reader, stream_interval=stream_interval)
     for tokens in case.steps:
         if request.finished:
             break
-        for seq, token in zip(request.sequences, tokens, strict=True):
-            if not request.outputs[seq.index].finished:
-                request.add_token(seq, token, TokenLogprobs(-token / 10, [token], [-0.1]))
-        request.flush()
+        rows = [SampledRow(request, seq, token, TokenLogprobs(-token / 10, [token], [-0.1]))
+                for seq, token in zip(request.sequences, tokens, strict=True)
+                if not request.outputs[seq.index].finished]
+        if as_steps:
+            request.flush(due=take_sampled(rows).due[request])
+        else:
+            for row in rows:
+                request.add_token(row.seq, row.token_id, row.logprobs)
+            request.flush()
         if rng.random() < take_every:
             reader.take_all()
     if not request.closed:
@@ -123,14 +137,15 @@ def assembled(reader: Reader) -> tuple[dict[int, tuple], list[str]]:
 
 
 def test_coalesced_streams_carry_exactly_what_uncoalesced_ones_do() -> None:
-    coalesced_cases = held_back_cases = stopped_cases = failed_cases = 0
+    coalesced_cases = held_back_cases = stopped_cases = failed_cases = text_waited = 0
+    split_characters = 0
     for seed in range(CASES):
         rng = random.Random(seed)
         case = random_case(rng)
         interval = rng.choice((1, 2, 3, 8, 16))
         take_every = rng.choice((0.0, 0.2, 0.5, 1.0))
-        reference, ref_request = run(case, 1, 1.0, random.Random(0))
-        reader, request = run(case, interval, take_every, rng)
+        reference, ref_request = run(case, 1, 1.0, random.Random(0), as_steps=False)
+        reader, request = run(case, interval, take_every, rng, as_steps=True)
         expected, expected_kinds = assembled(reference)
         got, kinds = assembled(reader)
         assert got == expected, f"seed {seed}"
@@ -144,14 +159,22 @@ def test_coalesced_streams_carry_exactly_what_uncoalesced_ones_do() -> None:
         # Bounded: the reader never has more than MAX_UNREAD messages waiting, plus the
         # last message, an error and the end marker.
         assert reader.most_unread <= MAX_UNREAD + 3, f"seed {seed}"
-        coalesced_cases += len(reader.items) < len(reference.items)
+        coalesced = len(reader.items) < len(reference.items)
+        coalesced_cases += coalesced
+        # A step without a message left its tokens' text undecoded, to be decoded later.
+        text_waited += coalesced and not request.text_every_token
+        split_characters += any(token >= len(LETTERS) for _, ids, *_ in got.values()
+                                for token in ids)
         held_back_cases += take_every < 1.0 and reader.most_unread >= MAX_UNREAD
         stopped_cases += any(gateway_pb2.FINISH_REASON_STOP in reasons
                              for *_, reasons in got.values())
         failed_cases += "error" in kinds
-    # The inputs reached what they test: coalescing by interval and by a slow reader, stop
-    # strings and tokens, failures.
+    # The inputs reached what they test: coalescing by interval and by a slow reader, text
+    # that waited for a message, bytes of a character split across tokens, stop strings and
+    # tokens, failures.
     assert coalesced_cases > CASES // 3, coalesced_cases
+    assert text_waited > CASES // 10, text_waited
+    assert split_characters > CASES // 10, split_characters
     assert held_back_cases > CASES // 10, held_back_cases
     assert stopped_cases > CASES // 10, stopped_cases
     assert failed_cases > CASES // 10, failed_cases
