@@ -16,7 +16,9 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str]) -> None:
         self._stop = [s for s in stop if s]
         self._longest = max((len(s) for s in self._stop), default=0)
-        self._text = ""  # all text so far (up to a stop string, once found)
+        # The text not yet released, and before it as much released text as a match starting
+        # in it needs (up to a stop string, once found).
+        self._text = ""
         self._released = 0  # characters of _text already released
         self.stopped = False
 
@@ -34,7 +36,17 @@ class StopStringMatcher:
             self.stopped = True
             self._text = self._text[:match]
             return self._release(match)
-        return self._release(len(self._text) - self._partial_match_len())
+        piece = self._release(len(self._text) - self._partial_match_len())
+        self._forget_settled()
+        return piece
+
+    def _forget_settled(self) -> None:
+        """Drops text that is released and too far back to begin a match: what is kept stays
+        about as long as the longest stop string, not the whole output."""
+        cut = min(self._released, len(self._text) - self._longest + 1)
+        if cut > 0:
+            self._text = self._text[cut:]
+            self._released -= cut
 
     def flush(self) -> str:
         """The held-back text, at the end of generation (no stop string came)."""

@@ -1,4 +1,5 @@
-"""Stop strings across token boundaries, with hand-worked expectations."""
+"""Stop strings across token boundaries: hand-worked expectations, and long random streams
+against a reference that searches the whole text each time."""
 
 from __future__ import annotations
 
@@ -50,3 +51,43 @@ def test_held_text_is_flushed_at_the_end() -> None:
 def test_a_stop_string_at_the_very_start() -> None:
     _, stopped, text = stream(["<"], ["<tag>"])
     assert stopped and text == ""
+
+
+def reference(stop: list[str], pieces: list[str]) -> tuple[list[str], bool, str]:
+    """The matcher's contract on the whole text each time: release up to the earliest stop
+    string, else all but the longest suffix that begins one."""
+    text, released, out = "", 0, []
+    for piece in pieces:
+        text += piece
+        found = [p for p in (text.find(s) for s in stop) if p >= 0]
+        if found:
+            out.append(text[released:min(found)])
+            return out + [""] * (len(pieces) - len(out)), True, text[:min(found)]
+        held = max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])),
+                   default=0)
+        end = max(released, len(text) - held)
+        out.append(text[released:end])
+        released = end
+    return out, False, text
+
+
+def test_long_random_streams_match_the_whole_text_reference_and_keep_little() -> None:
+    import random
+
+    rng = random.Random(3)
+    stopped = 0
+    for case in range(3000):
+        stop = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))
+                for _ in range(rng.randint(1, 3))]
+        pieces = ["".join(rng.choice("abcd") for _ in range(rng.randint(0, 4)))
+                  for _ in range(rng.randint(1, 200))]
+        matcher = StopStringMatcher(stop)
+        released, kept = [], 0
+        for piece in pieces:
+            released.append(matcher.add(piece))
+            kept = max(kept, len(matcher._text))  # what it holds on to
+        assert released == reference(stop, pieces)[0], case
+        # Bounded by the longest stop string and a piece, not by the output's length.
+        assert kept <= 2 * max(map(len, stop)) + 4, (case, kept)
+        stopped += matcher.stopped
+    assert stopped > 300 and case + 1 - stopped > 100, stopped  # both endings reached
