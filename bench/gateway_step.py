@@ -100,7 +100,7 @@ class Loop:
         work = [item for item in outcome.work if item.seq.status is SeqStatus.RUNNING]
         execute = build_execute_request(work, list(answer.copies), 1, "bench", self.step_id,
                                         self.rows)
-        execute.SerializeToString()
+        execute.serialize()
         scheduled = time.process_time()
         sampled = [item.seq for item in work if item.do_sample]
         reply = runner_pb2.ExecuteResponse.FromString(runner_pb2.ExecuteResponse(

@@ -48,6 +48,7 @@ from gateway.sampled import SampledRow, take_sampled
 from gateway.scheduler import Scheduler, StepOutcome, StepPlan, Work
 from gateway.sequence import SeqStatus, Sequence
 from gateway.step_builder import (
+    ExecuteCall,
     SamplingRow,
     build_execute_request,
     build_step_request,
@@ -58,6 +59,9 @@ from gateway.step_stream import StepStreamClient, StreamBroken
 from protos import block_pb2, block_pb2_grpc, runner_pb2, runner_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+_EXECUTE = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"].methods_by_name["Execute"]
+EXECUTE_METHOD = f"/{_EXECUTE.containing_service.full_name}/{_EXECUTE.name}"
 
 _IDLE_WAIT_S = 0.5
 _NO_PROGRESS_WAIT_S = 0.01
@@ -112,6 +116,10 @@ class RunnerLoop:
         self.runner_name = f"runner {address}"
         self._blocks = block_pb2_grpc.BlockServiceStub(block_channel)
         self._runner = runner_pb2_grpc.RunnerServiceStub(runner_channel)
+        # Execute with the step's block tables pre-encoded (step_builder.ExecuteCall).
+        self._execute_rpc = runner_channel.unary_unary(
+            EXECUTE_METHOD, request_serializer=ExecuteCall.serialize,
+            response_deserializer=runner_pb2.ExecuteResponse.FromString)
         self._step_stream = StepStreamClient(self._blocks, self.retry.control_timeout_s)
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs)
         self.info: BackendInfo | None = None
@@ -516,22 +524,23 @@ class RunnerLoop:
 
     def _execute_request(self, work: list[Work], copies: list[block_pb2.BlockCopy],
                          pending_rows: Mapping[Sequence, int], after_step_id: int
-                         ) -> runner_pb2.ExecuteRequest:
+                         ) -> ExecuteCall:
         assert self.info is not None
-        request = build_execute_request(work, copies, self.info.epoch, self._session_id,
-                                        self._step_id, self._sampling_rows, pending_rows,
-                                        after_step_id)
+        call = build_execute_request(work, copies, self.info.epoch, self._session_id,
+                                     self._step_id, self._sampling_rows, pending_rows,
+                                     after_step_id)
+        num_tokens = len(call.request.token_ids)
         metrics.EXECUTES.inc()
         metrics.BATCH_SEQS.observe(len(work))
-        metrics.BATCH_TOKENS.observe(len(request.token_ids))
-        metrics.SCHEDULED_TOKENS.inc(len(request.token_ids))
-        return request
+        metrics.BATCH_TOKENS.observe(num_tokens)
+        metrics.SCHEDULED_TOKENS.inc(num_tokens)
+        return call
 
-    def _execute(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+    def _execute(self, request: ExecuteCall) -> runner_pb2.ExecuteResponse:
         """One Execute under the retry policy (on the executor thread)."""
         try:
             with metrics.EXECUTE_SECONDS.time():
-                reply = self._call(self.runner_name, self._runner.Execute, request,
+                reply = self._call(self.runner_name, self._execute_rpc, request,
                                    self.retry.execute_timeout_s)
             metrics.RUNNER_SECONDS.observe(reply.total_ms / 1000)
             metrics.FORWARD_SECONDS.observe(reply.forward_ms / 1000)

@@ -361,7 +361,8 @@ class Scheduler:
     @staticmethod
     def _apply_append(grant: Grant, result: OpResult) -> None:
         seq = grant.seq
-        seq.block_table[result.table_start:] = result.table_ids
+        if result.table_ids or result.table_start != len(seq.block_table):
+            seq.block_table = [*seq.block_table[:result.table_start], *result.table_ids]
         seq.num_committed = seq.num_computed
         seq.num_registered = grant.register_end
 

@@ -74,7 +74,12 @@ class Sequence:
     # planned, at most the one in flight: 0, or 1 for the token after num_tokens.
     num_pending: int = 0
     num_committed: int = 0  # num_computed as last told to the block service
+    # Replaced, never changed in place: step_builder keeps its encoding below by identity.
     block_table: list[int] = field(default_factory=list)
+    # The block table as Execute's packed block_tables column holds it, and the table list it
+    # encodes (step_builder.table_wire): re-encoded only when the table is replaced.
+    table_wire: bytes = b""
+    table_wire_of: list[int] | None = None
     # Slots of the positions slot_start .. num_registered - 1, from the allocation.
     prefill_slots: list[int] = field(default_factory=list)
     prefill_slot_start: int = 0

@@ -2,7 +2,8 @@
 
 `build_step_request` packs a StepPlan into one block-service StepRequest (column by column),
 `parse_step_response` unpacks its answer into one OpResult per operation, and
-`build_execute_request` packs the step's Work into one runner ExecuteRequest.
+`build_execute_request` packs the step's Work into one runner ExecuteRequest (an `ExecuteCall`:
+the block tables travel pre-encoded, see there).
 """
 
 from __future__ import annotations
@@ -165,10 +166,70 @@ def parse_step_response(response: block_pb2.StepResponse, num_ops: int) -> list[
     return results
 
 
+# Execute's block_tables column (a packed repeated uint32) on the wire: its tag, then the
+# payload's length as a varint, then every id as a varint.
+_BLOCK_TABLES_TAG = bytes([
+    runner_pb2.ExecuteRequest.DESCRIPTOR.fields_by_name["block_tables"].number << 3 | 2])
+
+
+@dataclass(slots=True)
+class ExecuteCall:
+    """One ExecuteRequest whose block tables travel pre-encoded.
+
+    A decode row's table only grows by a block every block_size steps, yet converting every
+    id of every row into the message each step cost more than the rest of the Execute at long
+    sequences (256 rows x 125 blocks: 1.3 ms against 10 us to join the rows' bytes). Each
+    Sequence keeps its table encoded (`table_wire`); the runner receives an ordinary message.
+    """
+
+    request: runner_pb2.ExecuteRequest  # every column but block_tables
+    block_tables: bytes  # the block_tables column's payload: every row's ids, as varints
+
+    def serialize(self) -> bytes:
+        """The ExecuteRequest's wire form (the RPC's request serializer)."""
+        head = self.request.SerializeToString()
+        if not self.block_tables:
+            return head
+        return head + _BLOCK_TABLES_TAG + _varint(len(self.block_tables)) + self.block_tables
+
+    def message(self) -> runner_pb2.ExecuteRequest:
+        """The whole ExecuteRequest as the runner reads it."""
+        return runner_pb2.ExecuteRequest.FromString(self.serialize())
+
+
+def table_wire(seq: Sequence) -> bytes:
+    """`seq`'s block table as varints, encoded again only when the table was replaced."""
+    table = seq.block_table
+    if seq.table_wire_of is not table:
+        seq.table_wire = _varints(table)
+        seq.table_wire_of = table
+    return seq.table_wire
+
+
+def _varints(values: list[int]) -> bytes:
+    """`values` as the payload of a packed uint32 column (protobuf's own encoder)."""
+    if not values:
+        return b""
+    wire = runner_pb2.ExecuteRequest(block_tables=values).SerializeToString()
+    start = len(_BLOCK_TABLES_TAG)
+    while wire[start] & 0x80:  # past the payload's length
+        start += 1
+    return wire[start + 1:]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], epoch: int,
                           client_id: str, step_id: int, params_of: dict[str, SamplingRow],
                           pending_rows: Mapping[Sequence, int] | None = None,
-                          after_step_id: int = 0) -> runner_pb2.ExecuteRequest:
+                          after_step_id: int = 0) -> ExecuteCall:
     """One ExecuteRequest for the step's work (`params_of` maps request id to its row), to
     run after step `after_step_id` (0: none) when that one is still running.
 
@@ -181,7 +242,7 @@ def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], e
     request.copy_dst_block_ids.extend(c.dst_block_id for c in copies)
     token_ids: list[int] = []
     slots: list[int] = []
-    tables: list[int] = []
+    tables: list[bytes] = []
     pending_indices: list[int] = []
     pending_sample_rows: list[int] = []
     for item in work:
@@ -197,19 +258,18 @@ def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], e
             pending_sample_rows.append(pending_rows[seq])
             token_ids.append(0)  # the runner writes the sampled token here
         slots.extend(item.slots)
-        tables.extend(seq.block_table)
+        tables.append(table_wire(seq))
     # Whole lists into the columns: a list extends a repeated field faster than a generator.
     request.num_new_tokens.extend([item.num_tokens for item in work])
     request.start_positions.extend([item.start for item in work])
     request.token_ids.extend(token_ids)
     request.slot_mapping.extend(slots)
     request.block_table_lens.extend([len(item.seq.block_table) for item in work])
-    request.block_tables.extend(tables)
     request.do_sample.extend([item.do_sample for item in work])
     request.pending_token_indices.extend(pending_indices)
     request.pending_sample_rows.extend(pending_sample_rows)
     _add_sampling_columns(request, work, params_of)
-    return request
+    return ExecuteCall(request, b"".join(tables))
 
 
 @dataclass
