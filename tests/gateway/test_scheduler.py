@@ -347,3 +347,44 @@ def test_prompts_without_a_full_first_block_in_common_are_admitted_together() ->
     short = make_seq("s", BLOCK)  # its only block holds its last token: never shared
     scheduler.add([a, b, salted, short])
     assert [g.seq for g in scheduler.schedule().allocates] == [a, b, salted, short]
+
+
+def test_execute_block_tables_follow_every_table_change() -> None:
+    """Execute's block tables travel pre-encoded per sequence (step_builder.table_wire): after
+    appends that add a block, keep the table or replace a block in the middle (copy on write),
+    the runner's message holds exactly every row's current table."""
+    import random
+
+    from gateway.step_builder import SamplingRow, build_execute_request
+
+    rng = random.Random(5)
+    scheduler = Scheduler(max_num_batched_tokens=64, max_num_seqs=8)
+    seqs = [make_seq(f"r{i}", 3 + i) for i in range(4)]
+    scheduler.add(seqs)
+    rows = {seq.request_id: SamplingRow(0.0, 1.0, 0, 0.0, None) for seq in seqs}
+    changes = 0
+    for step in range(40):
+        plan = scheduler.schedule()
+        results = ok_results(plan)
+        for grant, result in zip(plan.appends, plan.split_results(results)["appends"],
+                                 strict=True):
+            table = grant.seq.block_table
+            kind = rng.choice(("keep", "keep", "grow", "replace"))
+            if kind == "grow":
+                result.table_start, result.table_ids = len(table), [500 + step]
+            elif kind == "replace" and table:
+                at = rng.randrange(len(table))
+                result.table_start, result.table_ids = at, [900 + step, *table[at + 1:]]
+            changes += kind != "keep"
+        outcome = scheduler.apply_results(plan, results)
+        call = build_execute_request(outcome.work, [], 1, "c", step, rows,
+                                     {seq: 0 for seq in seqs})
+        message = call.message()
+        expected = [block for item in outcome.work for block in item.seq.block_table]
+        assert list(message.block_tables) == expected, step
+        assert list(message.block_table_lens) == [len(w.seq.block_table) for w in outcome.work]
+        scheduler.on_executed(outcome.work)
+        for item in outcome.work:
+            if item.do_sample:
+                item.seq.token_ids.append(7)
+    assert changes > 40, changes
