@@ -155,8 +155,8 @@ class Request:
         self.stream_interval = stream_interval  # tokens per message, at most (the last aside)
         # Whether each token's text is needed as it comes: stop strings are looked for in it,
         # and a final_only request's parts are sized by it. Otherwise a step decodes a row
-        # only when its request sends a message (the runner loop's _take_samples): the
-        # tokens since the last one wait in the detokenizer and are decoded together.
+        # only when its request sends a message (gateway/sampled.py): the tokens since the
+        # last one wait in the detokenizer and are decoded together.
         self.text_every_token = final_only or any(params.stop)
         # Decodes many token windows at once (the runner loop's per-step pass).
         self.decode_batch: DecodeBatchFn = decode_batch or (
