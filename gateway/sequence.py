@@ -76,7 +76,7 @@ class Sequence:
     num_committed: int = 0  # num_computed as last told to the block service
     # Replaced, never changed in place: step_builder keeps its encoding below by identity.
     block_table: list[int] = field(default_factory=list)
-    # The block table as Execute's packed block_tables column holds it, and the table list it
+    # The block table as an ExecuteRequest's block_tables field, and the table list it
     # encodes (step_builder.table_wire): re-encoded only when the table is replaced.
     table_wire: bytes = b""
     table_wire_of: list[int] | None = None

@@ -166,12 +166,6 @@ def parse_step_response(response: block_pb2.StepResponse, num_ops: int) -> list[
     return results
 
 
-# Execute's block_tables column (a packed repeated uint32) on the wire: its tag, then the
-# payload's length as a varint, then every id as a varint.
-_BLOCK_TABLES_TAG = bytes([
-    runner_pb2.ExecuteRequest.DESCRIPTOR.fields_by_name["block_tables"].number << 3 | 2])
-
-
 @dataclass(slots=True)
 class ExecuteCall:
     """One ExecuteRequest whose block tables travel pre-encoded.
@@ -183,14 +177,13 @@ class ExecuteCall:
     """
 
     request: runner_pb2.ExecuteRequest  # every column but block_tables
-    block_tables: bytes  # the block_tables column's payload: every row's ids, as varints
+    # The block_tables column on the wire: each row's table as its own packed entry, which a
+    # parser concatenates in order (protobuf's rule for a packed field met several times).
+    block_tables: bytes
 
     def serialize(self) -> bytes:
         """The ExecuteRequest's wire form (the RPC's request serializer)."""
-        head = self.request.SerializeToString()
-        if not self.block_tables:
-            return head
-        return head + _BLOCK_TABLES_TAG + _varint(len(self.block_tables)) + self.block_tables
+        return self.request.SerializeToString() + self.block_tables
 
     def message(self) -> runner_pb2.ExecuteRequest:
         """The whole ExecuteRequest as the runner reads it."""
@@ -198,32 +191,13 @@ class ExecuteCall:
 
 
 def table_wire(seq: Sequence) -> bytes:
-    """`seq`'s block table as varints, encoded again only when the table was replaced."""
+    """`seq`'s block table as an ExecuteRequest's block_tables field (protobuf's own
+    encoding), encoded again only when the table was replaced."""
     table = seq.block_table
     if seq.table_wire_of is not table:
-        seq.table_wire = _varints(table)
+        seq.table_wire = runner_pb2.ExecuteRequest(block_tables=table).SerializeToString()
         seq.table_wire_of = table
     return seq.table_wire
-
-
-def _varints(values: list[int]) -> bytes:
-    """`values` as the payload of a packed uint32 column (protobuf's own encoder)."""
-    if not values:
-        return b""
-    wire = runner_pb2.ExecuteRequest(block_tables=values).SerializeToString()
-    start = len(_BLOCK_TABLES_TAG)
-    while wire[start] & 0x80:  # past the payload's length
-        start += 1
-    return wire[start + 1:]
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], epoch: int,
