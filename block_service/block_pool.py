@@ -15,7 +15,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from block_service.events import NO_EVENTS, EventSink
+from block_service.event_sink import NO_EVENTS, EventSink
 
 
 class Publish(enum.Enum):

@@ -2,9 +2,10 @@
 
 Producers and consumers:
 - The pool (BlockPool.publish, BlockPool._forget, PoolManager.new_epoch) reports every change
-  to its `EventSink` under the core's lock. The default sink, NO_EVENTS, drops them: a pool
-  records nothing until its first subscriber attaches a `PoolEvents` to it. No subscriber can
-  miss those earlier events, because a first subscription starts with a snapshot.
+  to its `EventSink` (block_service/event_sink.py) under the core's lock. The default sink,
+  NO_EVENTS, drops them: a pool records nothing until its first subscriber attaches a
+  `PoolEvents` to it. No subscriber can miss those earlier events, because a first
+  subscription starts with a snapshot.
 - A `PoolEvents` appends raw events (plain tuples: the hot path pays a list append) to an open
   batch; the core closes it at the end of every state-changing call (`KvEventLogs.flush`, from
   `BlockServiceCore._record`) as batch 1, 2, ... (only non-empty batches get numbers) and
@@ -24,12 +25,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from block_service.block_pool import BlockPool
+from block_service.event_sink import EventSink, RawEvent, Stored
 from block_service.ops import BlockServiceError, ErrorCode, shown
-
-if TYPE_CHECKING:
-    from block_service.pool_manager import PoolManager
 
 DEFAULT_REPLAY_BATCHES = 4096
 # Also bounded by events, for memory: one batch may hold thousands (a step admitting long
@@ -37,10 +37,14 @@ DEFAULT_REPLAY_BATCHES = 4096
 DEFAULT_REPLAY_EVENTS = 1 << 18
 POLL_S = 0.5  # how often a waiting subscriber checks whether it is still wanted
 
-# Raw events as the pool reports them, cheap to make: a stored block is
-# (hash, parent hash, tokens), a removed one its hash, and a cleared pool None.
-Stored = tuple[bytes, bytes, tuple[int, ...]]
-RawEvent = Stored | bytes | None
+
+class LoggedPool(Protocol):
+    """What an event log reads of the pool it follows (a PoolManager): read at each use, as
+    a new epoch changes `epoch` and puts a new BlockPool in `pool`."""
+
+    pool_id: str
+    epoch: int
+    pool: BlockPool
 
 
 @dataclass
@@ -137,23 +141,6 @@ def chain_order(blocks: list[Stored]) -> list[Stored]:
     return ordered
 
 
-class EventSink:
-    """Where a pool reports its prefix-cache changes: this default drops them (no subscriber
-    has attached a PoolEvents yet)."""
-
-    def stored(self, block_hash: bytes, parent_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        """A block now holds a published hash."""
-
-    def removed(self, block_hash: bytes) -> None:
-        """A block's hash was dropped (the block was evicted)."""
-
-    def cleared(self) -> None:
-        """Every block's hash was dropped."""
-
-
-NO_EVENTS = EventSink()
-
-
 class PoolEvents(EventSink):
     """The event log of one pool: the open batch, the replay buffer and their subscribers.
 
@@ -161,7 +148,7 @@ class PoolEvents(EventSink):
     and `wake` from any thread. `newest` changes under both locks, so either may read it.
     """
 
-    def __init__(self, logs: KvEventLogs, pm: PoolManager, first_sequence: int) -> None:
+    def __init__(self, logs: KvEventLogs, pm: LoggedPool, first_sequence: int) -> None:
         self.pool_id = pm.pool_id
         self.instance_id = logs.instance_id
         self.newest = first_sequence  # the last batch's number
@@ -324,7 +311,7 @@ class KvEventLogs:
                 log.flush()
             self.dirty.clear()
 
-    def subscribe(self, pm: PoolManager, after_sequence: int,
+    def subscribe(self, pm: LoggedPool, after_sequence: int,
                   instance_id: str) -> Subscription:
         """A subscription to `pm`'s events after batch `after_sequence` of `instance_id`.
 
@@ -345,7 +332,7 @@ class KvEventLogs:
                 f"{shown(pm.pool_id)} ({log.newest}); subscribe with 0 for a snapshot")
         return Subscription(log, after_sequence)
 
-    def close(self, pm: PoolManager) -> None:
+    def close(self, pm: LoggedPool) -> None:
         """`pm` is being dropped: its subscribers get a last AllBlocksCleared batch, then
         their streams end with NOT_FOUND."""
         log = pm.pool.events

@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from block_service.core import BlockServiceCore
+from block_service.event_sink import NO_EVENTS
 from block_service.events import (
-    NO_EVENTS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
