@@ -7,6 +7,7 @@ A block is in exactly one of three states:
   OrderedDict in the order the blocks were freed (LRU: the oldest is evicted first).
 New blocks come from `_uncached` first; only when it is empty is the oldest evictable block
 evicted (its hash dropped). A cache hit on an evictable block takes it out of `_evictable`.
+A block holds a published hash while its `CachedBlock` record is set.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 from block_service.event_sink import NO_EVENTS, EventSink
 
@@ -24,6 +26,28 @@ class Publish(enum.Enum):
     REGISTERED = 1  # the block is now the canonical block of the hash
     DUPLICATE = 2  # another block with the same tokens already holds the hash; it stays canonical
     COLLISION = 3  # another block holds the hash with different tokens or parent: nothing done
+
+
+class CachedBlock:
+    """What a block holding a published hash holds: the hash, and the parent hash and tokens
+    that the collision guard compares before a hit.
+
+    Never changed once made (a block's record is replaced or dropped instead), so that a
+    reader may copy the records under the core's lock and read them after it
+    (PoolEvents.snapshot).
+    """
+
+    __slots__ = ("block_hash", "parent_hash", "token_ids")
+
+    def __init__(self, block_hash: bytes, parent_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        self.block_hash = block_hash
+        self.parent_hash = parent_hash
+        self.token_ids = token_ids
+
+    def __reduce__(self) -> tuple[type[CachedBlock], tuple[bytes, bytes, tuple[int, ...]]]:
+        # Pickled as its three values, without the slot names (journal snapshots hold one
+        # per cached block).
+        return CachedBlock, (self.block_hash, self.parent_hash, self.token_ids)
 
 
 class BlockPool:
@@ -51,10 +75,7 @@ class BlockPool:
         self._uncached = order[::-1]  # a stack: the next block to hand out is at the end
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[bytes, int] = {}
-        # Per block, while it holds a published hash: the hash, its parent's hash and tokens.
-        self.block_hashes: list[bytes | None] = [None] * num_blocks
-        self.block_parents: list[bytes | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._cached: list[CachedBlock | None] = [None] * num_blocks
         self.evictions = 0
 
     def num_free(self) -> int:
@@ -72,6 +93,19 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """Every free block id (for invariant checks)."""
         return [*self._uncached, *self._evictable]
+
+    def cached_block(self, block: int) -> CachedBlock | None:
+        """What `block` holds while it holds a published hash, else None."""
+        return self._cached[block]
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every cached block's record, in the order they were published.
+
+        A copy without an object per block (the records themselves are never changed), so
+        cheap enough to take under the core's lock.
+        """
+        return cast("list[CachedBlock]",
+                    list(map(self._cached.__getitem__, self.hash_to_block.values())))
 
     def take(self) -> int:
         """Hands out one free block with ref count 1; the caller has checked num_free()."""
@@ -96,7 +130,7 @@ class BlockPool:
         self.ref_counts[block] = refs
         if refs:
             return False
-        if self.block_hashes[block] is None:
+        if self._cached[block] is None:
             self._uncached.append(block)
         else:
             self._evictable[block] = None
@@ -111,7 +145,10 @@ class BlockPool:
         block = self.hash_to_block.get(block_hash)
         if block is None:
             return None
-        if self.block_parents[block] != parent_hash or self.block_tokens[block] != tuple(token_ids):
+        cached = self._cached[block]
+        # Never None for a block in hash_to_block; the test is for the type checker.
+        if cached is None or cached.parent_hash != parent_hash \
+                or cached.token_ids != tuple(token_ids):
             return None
         return block
 
@@ -119,31 +156,27 @@ class BlockPool:
         self, block: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int]
     ) -> Publish:
         """Makes a full, computed block a prefix-cache entry unless the hash is taken."""
-        own_hash = self.block_hashes[block]
-        if own_hash is not None:  # already cached (a shared block): only its own hash fits
-            return Publish.DUPLICATE if own_hash == block_hash else Publish.COLLISION
+        own = self._cached[block]
+        if own is not None:  # already cached (a shared block): only its own hash fits
+            return Publish.DUPLICATE if own.block_hash == block_hash else Publish.COLLISION
         holder = self.hash_to_block.get(block_hash)
         tokens = tuple(token_ids)
         if holder is None:
             self.hash_to_block[block_hash] = block
-            self.block_hashes[block] = block_hash
-            self.block_parents[block] = parent_hash
-            self.block_tokens[block] = tokens
+            self._cached[block] = CachedBlock(block_hash, parent_hash, tokens)
             self.events.stored(block_hash, parent_hash, tokens)
             return Publish.REGISTERED
-        if self.block_parents[holder] == parent_hash and self.block_tokens[holder] == tokens:
+        if self.lookup(parent_hash, block_hash, tokens) is not None:  # the holder is a twin
             return Publish.DUPLICATE
         return Publish.COLLISION
 
     def _forget(self, block: int) -> None:
         """Drops a block's hash (it is about to hold other data)."""
-        block_hash = self.block_hashes[block]
-        if block_hash is not None:
-            del self.hash_to_block[block_hash]
-            self.block_hashes[block] = None
-            self.block_parents[block] = None
-            self.block_tokens[block] = None
-            self.events.removed(block_hash)
+        cached = self._cached[block]
+        if cached is not None:
+            del self.hash_to_block[cached.block_hash]
+            self._cached[block] = None
+            self.events.removed(cached.block_hash)
 
     def __getstate__(self) -> dict[str, object]:
         """Pickled (in journal snapshots) without its event log: the log holds a lock and
@@ -151,3 +184,15 @@ class BlockPool:
         state = self.__dict__.copy()
         state.pop("events", None)
         return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Also loads a snapshot written before CachedBlock, which kept three per-block lists
+        (hash, parent hash, tokens; None where no hash was published)."""
+        if "block_hashes" in state:
+            hashes = cast("list[bytes | None]", state.pop("block_hashes"))
+            parents = cast("list[bytes]", state.pop("block_parents"))
+            tokens = cast("list[tuple[int, ...]]", state.pop("block_tokens"))
+            state["_cached"] = [
+                None if block_hash is None else CachedBlock(block_hash, parent, block_tokens)
+                for block_hash, parent, block_tokens in zip(hashes, parents, tokens, strict=True)]
+        self.__dict__.update(state)

@@ -242,21 +242,18 @@ class PoolEvents(EventSink):
     def snapshot(self) -> EventBatch:
         """AllBlocksCleared, then every cached block (parents first), as of the newest batch.
 
-        Under the core's lock only the pool's hash map and per-block lists are copied (C-level
-        copies, no object per block: making one there would set the garbage collector going
-        while every Step waits); the events are built after.
+        Under the core's lock only the list of the pool's cached-block records is copied
+        (a C-level copy, no object per block: making one there would set the garbage collector
+        going while every Step waits); the events are built after.
         """
         with self._core_lock:
             # Every state-changing call flushes before it returns, so nothing is pending here
             # unless a call failed half-way; a flush makes this snapshot cover that too.
             self.flush()
-            pool = self._pm.pool
-            cached = {} if self.closed else dict(pool.hash_to_block)
-            parents, tokens = list(pool.block_parents), list(pool.block_tokens)
+            cached = [] if self.closed else self._pm.pool.cached_blocks()
             sequence, epoch = self.newest, self._pm.epoch
-        # A cached block always has its parent and tokens (the `or` is for the type checker).
-        blocks: list[Stored] = [(block_hash, parents[block] or b"", tokens[block] or ())
-                                for block_hash, block in cached.items()]
+        blocks: list[Stored] = [(block.block_hash, block.parent_hash, block.token_ids)
+                                for block in cached]
         events: list[KvEvent] = [AllBlocksCleared(), *merged(chain_order(blocks))]
         return EventBatch(sequence, self.pool_id, epoch, self.instance_id, True, events,
                           now_ms())

@@ -10,6 +10,8 @@ import pytest
 from block_service.core import BlockServiceCore
 from block_service.sessions import LeasePolicy
 
+from .invariants import cached_blocks
+
 
 class FakeClock:
     """A clock the test moves by hand."""
@@ -35,8 +37,7 @@ def snapshot(core: BlockServiceCore) -> dict[str, Any]:
             "uncached": list(pool._uncached),
             "evictable": list(pool._evictable),
             "hash_to_block": dict(pool.hash_to_block),
-            "block_hashes": list(pool.block_hashes),
-            "block_tokens": list(pool.block_tokens),
+            "blocks": cached_blocks(pool),
             "seqs": {
                 sid: {
                     seq_id: (list(seq.tokens), list(seq.block_table), seq.num_computed,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from block_service.block_pool import BlockPool
 from block_service.core import BlockServiceCore
 from block_service.hashing import chain_hashes
 from block_service.pool_manager import PoolManager
@@ -44,11 +45,13 @@ def check_blocks(pm: PoolManager) -> None:
         assert (block in free_set) != (holders[block] > 0), f"block {block} free and held"
     assert set(holders) <= set(range(pool.num_blocks)), "a table names a block out of range"
     for digest, block in pool.hash_to_block.items():
-        assert pool.block_hashes[block] == digest
-    for block, digest in enumerate(pool.block_hashes):
-        assert digest is None or pool.hash_to_block.get(digest) == block
+        cached = pool.cached_block(block)
+        assert cached is not None and cached.block_hash == digest
+    for block in range(pool.num_blocks):
+        cached = pool.cached_block(block)
+        assert cached is None or pool.hash_to_block.get(cached.block_hash) == block
     for block in free:
-        assert pool.is_evictable(block) == (pool.block_hashes[block] is not None)
+        assert pool.is_evictable(block) == (pool.cached_block(block) is not None)
 
 
 def check_sequences(pm: PoolManager, check_hashes: bool = True) -> None:
@@ -82,10 +85,16 @@ def check_sequences(pm: PoolManager, check_hashes: bool = True) -> None:
                                                   seq.root)
 
 
+def cached_blocks(pool: BlockPool) -> list[tuple[bytes, bytes, tuple[int, ...]] | None]:
+    """Per block: its hash, parent hash and tokens while it holds a published hash."""
+    return [None if cached is None else (cached.block_hash, cached.parent_hash, cached.token_ids)
+            for cached in map(pool.cached_block, range(pool.num_blocks))]
+
+
 def full_state(core: BlockServiceCore) -> dict[str, Any]:
     """Every piece of the core's state, counters included, lease deadlines excluded (a
     restart renews every lease), as comparable plain data."""
-    pools = {}
+    pools: dict[str, dict[str, Any]] = {}
     for pool_id, pm in core.pools.items():
         pool = pm.pool
         pools[pool_id] = {
@@ -94,8 +103,7 @@ def full_state(core: BlockServiceCore) -> dict[str, Any]:
             "uncached": list(pool._uncached),
             "evictable": list(pool._evictable),
             "hash_to_block": dict(pool.hash_to_block),
-            "blocks": (list(pool.block_hashes), list(pool.block_parents),
-                       list(pool.block_tokens)),
+            "blocks": cached_blocks(pool),
             "seqs": {
                 sid: {seq_id: (list(seq.tokens), list(seq.block_table), seq.num_computed,
                                seq.num_published, list(seq.hashes), seq.publishing, seq.root)

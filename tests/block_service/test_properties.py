@@ -402,16 +402,17 @@ class BlockServiceMachine(RuleBasedStateMachine):
         pool = self.core.pools[POOL].pool
         size = self.block_size
         for digest, block in pool.hash_to_block.items():
-            assert pool.block_hashes[block] == digest
+            cached = pool.cached_block(block)
+            assert cached is not None and cached.block_hash == digest
             salt, prefix = self.kv[block * size + size - 1]
             assert len(prefix) % size == 0
-            assert pool.block_tokens[block] == prefix[-size:]
+            assert cached.token_ids == prefix[-size:]
             parent = root_hash(salt)
             for start in range(0, len(prefix), size):
                 parent = block_hash(parent, prefix[start:start + size])
             assert parent == digest
         for block in pool.free_block_ids():
-            assert pool.is_evictable(block) == (pool.block_hashes[block] is not None)
+            assert pool.is_evictable(block) == (pool.cached_block(block) is not None)
 
     def teardown(self) -> None:
         """After everything is freed, nothing is referenced."""

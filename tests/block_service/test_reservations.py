@@ -277,7 +277,8 @@ def test_a_block_is_published_once_its_reserved_position_is_filled_and_computed(
     block = c.table(1)[0]
     assert c.seq(1).num_published == 1
     assert pool.hash_to_block == {c.seq(1).hashes[0]: block}
-    assert pool.block_tokens[block] == (1, 2, 3, 4)
+    cached = pool.cached_block(block)
+    assert cached is not None and cached.token_ids == (1, 2, 3, 4)
     assert c.core.match_prefix(P, [1, 2, 3, 4, 5]) == 4
     other = ok(c.step(allocate(2, [1, 2, 3, 4, 5])))
     assert other.num_cached_tokens == [4] and c.table(2)[0] == block
@@ -291,7 +292,7 @@ def test_a_freed_reserved_sequence_publishes_only_its_known_blocks(make_core):
     ok(c.step(free(1, 7)))
     pool = c.core.pools[P].pool
     assert len(pool.hash_to_block) == 1
-    assert all(tokens is None or R not in tokens for tokens in pool.block_tokens)
+    assert all(R not in cached.token_ids for cached in pool.cached_blocks())
     assert c.core.match_prefix(P, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
     check_invariants(c.core)
 
