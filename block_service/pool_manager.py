@@ -1,12 +1,17 @@
 """One pool's sequences: allocate / append / fork / commit / free with copy-on-write.
 
 Every operation validates everything and checks for space before it changes anything, so a
-failed operation (any status but OK) leaves the pool as it was.
+failed operation (any status but OK) leaves the pool as it was. A refused operation (a bad
+value, an unknown or stale sequence) raises `_Refused` wherever that is found, and its public
+method answers it; no space is the one failure an operation returns as such.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Concatenate, ParamSpec
 
 from block_service.block_pool import BlockPool, Publish
 from block_service.hashing import block_hash, root_hash
@@ -25,6 +30,33 @@ from block_service.sequence import RESERVED, Sequence, num_blocks_for, slots_for
 def failed(status: int, error: str) -> OpResult:
     """The result of an operation that changed nothing."""
     return OpResult(status=status, error=error)
+
+
+class _Refused(Exception):
+    """An operation refused before it changed anything: its status and error message."""
+
+    def __init__(self, status: int, error: str) -> None:
+        super().__init__(error)
+        self.status = status
+        self.error = error
+
+
+P = ParamSpec("P")
+
+
+def _answers_refusals(
+    operation: Callable[Concatenate[PoolManager, P], OpResult]
+) -> Callable[Concatenate[PoolManager, P], OpResult]:
+    """A public operation that answers a `_Refused` raised inside it as its failed result."""
+
+    @functools.wraps(operation)
+    def answered(pm: PoolManager, /, *args: P.args, **kwargs: P.kwargs) -> OpResult:
+        try:
+            return operation(pm, *args, **kwargs)
+        except _Refused as refused:
+            return failed(refused.status, refused.error)
+
+    return answered
 
 
 def bad_tokens(token_ids: Seq[int]) -> str:
@@ -75,17 +107,17 @@ class PoolManager:
         """Live sequences of every session."""
         return sum(len(seqs) for seqs in self.seqs.values())
 
-    def _find(self, session_id: str, seq_id: int) -> Sequence | OpResult:
-        """The live sequence, or the failure: STALE (then forgotten) or NOT_FOUND."""
+    def _find(self, session_id: str, seq_id: int) -> Sequence:
+        """The live sequence; refused STALE (then forgotten) or NOT_FOUND."""
         seq = self.seqs.get(session_id, {}).get(seq_id)
         if seq is not None:
             return seq
         stale = self.stale.get(session_id)
         if stale is not None and seq_id in stale:
             stale.discard(seq_id)
-            return failed(STATUS_STALE, f"sequence {seq_id} was lost with an earlier epoch of "
-                                        f"pool {self.pool_id!r}; allocate it again")
-        return failed(STATUS_NOT_FOUND, f"sequence {seq_id} not found in pool {self.pool_id!r}")
+            raise _Refused(STATUS_STALE, f"sequence {seq_id} was lost with an earlier epoch of "
+                                         f"pool {self.pool_id!r}; allocate it again")
+        raise _Refused(STATUS_NOT_FOUND, f"sequence {seq_id} not found in pool {self.pool_id!r}")
 
     def _bad_computed(self, seq: Sequence, num_computed: int, num_known: int) -> str:
         """Why a reported num_computed_tokens is not acceptable, or "" (`num_known`: the
@@ -156,6 +188,7 @@ class PoolManager:
         seq.num_published = len(seq.hashes)
 
     # ---- operations ----------------------------------------------------------------------
+    @_answers_refusals
     def allocate(self, session_id: str, seq_id: int, token_ids: Seq[int],
                  cache_salt: str = "") -> OpResult:
         """A new sequence for a prompt: the longest cached prefix, then new blocks.
@@ -164,7 +197,7 @@ class PoolManager:
         """
         error = bad_tokens(token_ids) or self._too_big(len(token_ids))
         if error:
-            return failed(STATUS_INVALID_ARGUMENT, error)
+            raise _Refused(STATUS_INVALID_ARGUMENT, error)
         size, pool = self.block_size, self.pool
         num_tokens = len(token_ids)
         root = root_hash(cache_salt)
@@ -188,6 +221,7 @@ class PoolManager:
         return OpResult(num_cached_tokens=num_cached, table_start=0, table_block_ids=list(table),
                         slots=slots_for(table, size, num_cached, num_tokens))
 
+    @_answers_refusals
     def append(self, session_id: str, seq_id: int, token_ids: Seq[int],
                num_computed: int = NOT_CHANGED, lookahead: int = 0) -> OpResult:
         """Appends tokens: new blocks past a boundary, a private copy of a shared last block.
@@ -198,8 +232,6 @@ class PoolManager:
         when none did).
         """
         seq = self._find(session_id, seq_id)
-        if isinstance(seq, OpResult):
-            return seq
         old_len = len(seq.tokens)
         filling = seq.reserved and bool(token_ids)
         new_len = old_len - filling + len(token_ids) + lookahead
@@ -207,7 +239,7 @@ class PoolManager:
                  or self._bad_computed(seq, num_computed, old_len if filling else seq.num_known)
                  or self._too_big(new_len))
         if error:
-            return failed(STATUS_INVALID_ARGUMENT, error)
+            raise _Refused(STATUS_INVALID_ARGUMENT, error)
         pool, table = self.pool, seq.block_table
         new_blocks = num_blocks_for(new_len, self.block_size) - len(table)
         # Writing into a partly filled block that a fork shares: copy it first.
@@ -247,25 +279,22 @@ class PoolManager:
             return "the sequence's last position is reserved already: fill it first"
         return ""
 
-    def _find_and_commit(self, session_id: str, seq_id: int,
-                         num_computed: int) -> Sequence | OpResult:
-        """The sequence with a reported num_computed_tokens recorded, or the failure."""
+    def _find_and_commit(self, session_id: str, seq_id: int, num_computed: int) -> Sequence:
+        """The sequence with a reported num_computed_tokens recorded."""
         seq = self._find(session_id, seq_id)
-        if isinstance(seq, OpResult):
-            return seq
         error = self._bad_computed(seq, num_computed, seq.num_known)
         if error:
-            return failed(STATUS_INVALID_ARGUMENT, error)
+            raise _Refused(STATUS_INVALID_ARGUMENT, error)
         self.set_computed(seq, num_computed)
         return seq
 
+    @_answers_refusals
     def commit(self, session_id: str, seq_id: int, num_computed: int) -> OpResult:
         """Only records num_computed_tokens (publishing the full blocks it completes)."""
         seq = self._find_and_commit(session_id, seq_id, num_computed)
-        if isinstance(seq, OpResult):
-            return seq
         return OpResult(table_start=len(seq.block_table))
 
+    @_answers_refusals
     def free(self, session_id: str, seq_id: int, num_computed: int = NOT_CHANGED) -> OpResult:
         """Drops the sequence; its blocks' refs go down, computed full blocks stay cached.
 
@@ -273,13 +302,12 @@ class PoolManager:
         tail is evicted before its head.
         """
         seq = self._find_and_commit(session_id, seq_id, num_computed)
-        if isinstance(seq, OpResult):
-            return seq
         release = self.pool.release
         released = sum(release(block) for block in reversed(seq.block_table))
         del self.seqs[session_id][seq_id]
         return OpResult(num_released_blocks=released)
 
+    @_answers_refusals
     def fork(self, session_id: str, parent_id: int, child_id: int,
              num_computed: int = NOT_CHANGED) -> OpResult:
         """A child sharing every block of the parent (copy-on-write on its first write).
@@ -287,16 +315,11 @@ class PoolManager:
         `num_computed` is the parent's, recorded first. The caller has checked that the
         session holds no sequence `child_id` (in any pool).
         """
-        parent = self._find(session_id, parent_id)
-        if isinstance(parent, OpResult):
-            return parent
-        if parent.reserved:
+        if self._find(session_id, parent_id).reserved:
             # Both would write the one reserved slot.
-            return failed(STATUS_INVALID_ARGUMENT, f"sequence {parent_id} has a reserved "
-                                                   "position: fill it before forking")
+            raise _Refused(STATUS_INVALID_ARGUMENT, f"sequence {parent_id} has a reserved "
+                                                    "position: fill it before forking")
         parent = self._find_and_commit(session_id, parent_id, num_computed)
-        if isinstance(parent, OpResult):
-            return parent
         child = parent.fork()
         for block in child.block_table:
             self.pool.acquire(block)
