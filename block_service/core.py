@@ -165,18 +165,31 @@ class BlockServiceCore:
             return
         journal.append(kind, args)
         if journal.snapshot_due():
-            journal.write_snapshot(self._state())
+            # Starts the next log and forks a child that pickles the state as it is now: the
+            # lock is held for that only, not while the state is written (journal.py).
+            journal.start_snapshot(self._state)
 
     def _state(self) -> CoreState:
+        """What a snapshot holds. Called in the snapshot's forked child (a copy of the state at
+        the fork, so no lock is needed there), or under the lock where none can be forked."""
         runners = {pool_id: (address, self.registry.lease_ttl_s[pool_id])
                    for pool_id, address in self.runner_addresses.items()}
         return CoreState(self.pools, self.sessions.open, self.sessions.expired_ids(), runners)
 
-    def snapshot_now(self) -> None:
-        """Writes a snapshot now (after a replay, so that the next start replays little)."""
-        with self._lock:
-            if self._journal is not None:
-                self._journal.write_snapshot(self._state())
+    def snapshot_now(self) -> bool:
+        """Writes a snapshot now and waits for it (after a replay, so that the next start
+        replays little); whether it succeeded. The lock is held only to start it, as for a due
+        snapshot; one already running is waited for first, outside the lock."""
+        while True:
+            with self._lock:
+                journal = self._journal
+                if journal is None or journal.closed:
+                    return False
+                if not journal.snapshot_running:
+                    journal.start_snapshot(self._state)
+                    break
+            journal.wait_snapshot()
+        return journal.wait_snapshot() is True
 
     def replay(self, state: CoreState | None, records: Sequence[tuple[int, Any]]) -> None:
         """Rebuilds the state from a snapshot and the records journaled after it.

@@ -13,6 +13,11 @@ import pytest
 # what those tests check (tests/gpu_runner/test_linear.py checks the tuning and every kernel's
 # parity; a test that wants the tuned start sets the flag itself).
 os.environ.setdefault("PAGEWIRE_RUNNER_LINEAR_BACKEND", "panels")
+# Before any test imports grpc: the block service's journal forks a child for each snapshot
+# (in-process servers and cores in the tests too), which gRPC's fork support would fill with
+# gRPC threads (block_service/journal.py, GRPC_FORK_SUPPORT). `python -m block_service` sets
+# it itself.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 
 @pytest.fixture(scope="session")

@@ -277,6 +277,7 @@ def test_snapshot_and_log(directory):
     core = make_core(clock, directory, every=4)
     session = grow(core)  # 4 records: create, open, two steps -> a snapshot
     assert core._journal is not None and core._journal.generation == 1
+    assert core._journal.wait_snapshot() is True  # written by a child: wait for it
     assert (directory / "snapshot").exists()
     core.step(session, "a", 3, 1, [OP_APPEND], [2], [1], [8], [0], [-1])
     assert sorted(p.name for p in directory.iterdir()) == ["journal-0000000001.log", "lock",
@@ -509,16 +510,20 @@ def test_step_in_flight_at_the_kill_is_applied_once_when_retried(tmp_path):
         service.kill()
 
 
-def test_a_failed_snapshot_leaves_the_log_going(directory, monkeypatch):
+def test_a_failed_snapshot_leaves_the_log_going(directory, monkeypatch, caplog):
     core = make_core(FakeClock(), directory, every=3)
 
     def disk_full(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("block_service.journal.pickle.dump", disk_full)
-    session = grow(core)  # the snapshot due after 3 records fails
+    session = grow(core)  # the snapshot due after 3 records fails (in its child)
+    journal = core._journal
+    assert journal is not None and journal.wait_snapshot() is False
     monkeypatch.undo()
-    assert core._journal is not None and core._journal.generation == 0
+    assert "No space left on device" in caplog.text  # the child's reason, logged by the parent
+    # The older log and the one started for the snapshot both stay; no snapshot, no tmp file.
+    assert sorted(p.name for p in directory.iterdir()) == [log_name(0), log_name(1), "lock"]
     core.step(session, "a", 3, 1, [OP_APPEND], [2], [1], [8], [0], [-1])
     assert full_state(reopened(directory, core)) == full_state(core)
 
