@@ -19,7 +19,7 @@ setup: $(STAMP)
 # Re-runs only when the project's dependencies change; otherwise setup is a no-op.
 # scripts/setup.sh holds the steps (venv, pip, torch, the project, the default model, the CPU
 # kernel): the Dockerfile runs the same script in its image mode.
-$(STAMP): pyproject.toml Makefile scripts/setup.sh
+$(STAMP): pyproject.toml setup.py block_service/_stepwire.c Makefile scripts/setup.sh
 	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" PAGEWIRE_SETUP_MODE=dev bash scripts/setup.sh $(VENV)
 	touch $(STAMP)
 

@@ -45,6 +45,13 @@ from block_service.registry import (
 )
 from block_service.sessions import LeasePolicy, Session, SessionTable
 from block_service.step import SessionScope, apply_op, run_step
+from block_service.step_wire import (
+    WireStep,
+    answer_bytes,
+    answer_result,
+    compiled_step,
+    parse_step,
+)
 
 MAX_POOL_ID_BYTES = 256
 MAX_CLIENT_NAME_BYTES = 256
@@ -60,6 +67,7 @@ REC_OP = 5  # the arguments of _apply_single
 REC_STEP = 6  # the arguments of _apply_step
 REC_REGISTER = 7  # the arguments of _apply_register
 REC_DROP_POOL = 8  # (pool_id,)
+REC_STEP_WIRE = 9  # (StepRequest bytes,): a Step as it arrived (BlockServiceCore.step_wire)
 
 
 @dataclass(frozen=True)
@@ -141,8 +149,11 @@ class BlockServiceCore:
     """
 
     def __init__(self, lease_policy: LeasePolicy | None = None, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, compiled_steps: bool = True) -> None:
         self._lock = threading.Lock()
+        # Whether step_wire runs Steps through block_service._stepwire where it is built
+        # (False: the Python path, as a reference and for comparison).
+        self.compiled_steps = compiled_steps
         self.kv_events = KvEventLogs(self._lock)
         self.pools: dict[str, PoolManager] = {}
         self.sessions = SessionTable(lease_policy or LeasePolicy(), clock)
@@ -224,7 +235,8 @@ class BlockServiceCore:
             REC_OPEN: self.sessions.start, REC_CLOSE: self._close_session,
             REC_EXPIRE: self._expire, REC_CREATE_POOL: self._apply_create_pool,
             REC_OP: self._apply_single, REC_STEP: self._apply_step,
-            REC_REGISTER: self._apply_register, REC_DROP_POOL: self._drop_pool}
+            REC_REGISTER: self._apply_register, REC_DROP_POOL: self._drop_pool,
+            REC_STEP_WIRE: self._replay_wire}
         try:
             appliers[kind](*args)
         except (BlockServiceError, KeyError, TypeError) as error:
@@ -398,7 +410,9 @@ class BlockServiceCore:
     def list_runners(self) -> list[tuple[PoolInfo, RunnerLoad]]:
         """Every live registered pool with its load figures, by pool id."""
         with self._lock:
-            return [(self._info(pm), self.registry.load(pm)) for pm in self._live_pools()]
+            pools = self._live_pools()
+            return [(self._info(pm), load)
+                    for pm, load in zip(pools, self.registry.loads(pools), strict=True)]
 
     def _live_pools(self) -> list[PoolManager]:
         return [self.pools[pool_id] for pool_id in sorted(self.runner_addresses)
@@ -427,26 +441,33 @@ class BlockServiceCore:
                 raise BlockServiceError(ErrorCode.NOT_FOUND, "no live runner to route to" + (
                     f" among the {len(allowed)} pools named" if allowed else ""))
             root = root_hash(cache_salt)
-            hashes: dict[int, list[bytes]] = {}  # by block size: the prompt's full blocks
+            # By block size, made once for all its pools: the prompt's full blocks (chained
+            # hashes, token tuples) and how many of them are pending on each pool.
+            chains: dict[int, tuple[list[bytes], list[tuple[int, ...]], dict[str, int]]] = {}
             candidates = []
-            for pm in pools:
+            for pm, load in zip(pools, self.registry.loads(pools), strict=True):
                 size = pm.block_size
-                if size not in hashes:
-                    hashes[size] = chain_hashes(token_ids, size, len(token_ids) // size, root)
-                cached = pm.match_prefix(token_ids, cache_salt)
-                pending = size * self.registry.pending_blocks(pm.pool_id, hashes[size])
-                load = self.registry.load(pm).load_tokens
+                if size not in chains:
+                    num_full = len(token_ids) // size
+                    hashes = chain_hashes(token_ids, size, num_full, root)
+                    chains[size] = (hashes, [tuple(token_ids[i * size:(i + 1) * size])
+                                             for i in range(num_full)],
+                                    self.registry.pending_blocks(hashes))
+                hashes, block_tokens, pending_blocks = chains[size]
+                cached = size * pm.pool.cached_run(root, hashes, block_tokens)
+                pending = size * pending_blocks.get(pm.pool_id, 0)
                 # A pending prefix is queued work this request shares, not a wait in front
                 # of it: it leaves the pool's load as it leaves the prompt.
-                cost = len(token_ids) - max(cached, pending) + max(0, load - pending)
-                candidates.append(Candidate(pm.pool_id, cached, load, cost, pending))
+                cost = len(token_ids) - max(cached, pending) \
+                    + max(0, load.load_tokens - pending)
+                candidates.append(Candidate(pm.pool_id, cached, load.load_tokens, cost, pending))
             chosen = self.registry.choose(policy, candidates)
             # What the request adds there: the prompt tokens it computes, and its outputs.
             held = max(chosen.num_cached_tokens, chosen.num_pending_tokens)
             self.registry.add_routed(client_name, chosen.pool_id, len(token_ids) - held
                                      + DECODE_WEIGHT_TOKENS * num_seqs)
             self.registry.add_pending(chosen.pool_id,
-                                      hashes[self.pools[chosen.pool_id].block_size])
+                                      chains[self.pools[chosen.pool_id].block_size][0])
             return chosen, candidates
 
     def get_pool(self, pool_id: str) -> PoolInfo:
@@ -562,27 +583,88 @@ class BlockServiceCore:
         """
         salts = dict(cache_salts or {})
         lookaheads = list(lookaheads)
-        self._check_columns(kinds, seq_ids, token_counts, token_ids, parent_ids, computed,
-                            salts, lookaheads)
+        self._check_shape(
+            (len(kinds), len(seq_ids), len(token_counts), len(token_ids), len(parent_ids),
+             len(computed), len(lookaheads)), sum(token_counts), salts)
         with self._lock:
-            session = self._live_session(session_id)
-            if step_id == session.last_step_id and session.last_step is not None:
-                return session.last_step
-            if step_id < session.last_step_id:
-                raise BlockServiceError(
-                    ErrorCode.FAILED_PRECONDITION,
-                    f"step_id {step_id} is older than the session's last ({session.last_step_id})")
-            pm = self._pool(pool_id)
-            if epoch and epoch != pm.epoch:
-                raise BlockServiceError(
-                    ErrorCode.FAILED_PRECONDITION,
-                    f"step built for epoch {epoch}; pool {pool_id!r} is at epoch {pm.epoch}")
+            kept = self._begin_step(session_id, pool_id, step_id, epoch)
+            if kept is not None:
+                return answer_result(kept)
             args = (session_id, pool_id, step_id, kinds, seq_ids, token_counts, token_ids,
                     parent_ids, computed, salts, lookaheads)
             result = self._apply_step(*args)
             self._record(REC_STEP, args)
-            self.registry.report(session_id, session.client_name, pool_id, num_waiting_tokens)
+            self.registry.report(session_id, self.sessions.find(session_id).client_name,
+                                 pool_id, num_waiting_tokens)
             return result
+
+    def step_wire(self, data: bytes) -> bytes:
+        """`step` for a StepRequest's wire bytes, answering the StepResponse's
+        (block_service/step_wire.py); protobuf's DecodeError if the request does not parse."""
+        wire = parse_step(data, self.compiled_steps)
+        self._check_shape(wire.lengths, wire.token_sum, wire.salts)
+        with self._lock:
+            kept = self._begin_step(wire.session_id, wire.pool_id, wire.step_id, wire.epoch)
+            if kept is not None:
+                return answer_bytes(kept)
+            answer = self._apply_wire(wire)
+            # The request's own bytes: cheaper to journal than its columns, and replayed by
+            # the same code.
+            self._record(REC_STEP_WIRE, (data,))
+            self.registry.report(wire.session_id,
+                                 self.sessions.find(wire.session_id).client_name,
+                                 wire.pool_id, wire.num_waiting_tokens)
+            return answer
+
+    def _begin_step(self, session_id: str, pool_id: str, step_id: int,
+                    epoch: int) -> StepResult | bytes | None:
+        """Checks a Step against its session and pool (under the lock): the kept answer of a
+        retried step_id, or None for a new step."""
+        session = self._live_session(session_id)
+        if step_id == session.last_step_id and session.last_step is not None:
+            return session.last_step
+        if step_id < session.last_step_id:
+            raise BlockServiceError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"step_id {step_id} is older than the session's last ({session.last_step_id})")
+        pm = self._pool(pool_id)
+        if epoch and epoch != pm.epoch:
+            raise BlockServiceError(
+                ErrorCode.FAILED_PRECONDITION,
+                f"step built for epoch {epoch}; pool {pool_id!r} is at epoch {pm.epoch}")
+        return None
+
+    def _apply_wire(self, wire: WireStep) -> bytes:
+        """A checked Step in wire form; its answer bytes are kept for a retry."""
+        if wire.parsed is None:  # parsed by protobuf: the Python path
+            columns = wire.columns
+            assert columns is not None
+            return answer_bytes(self._apply_step(
+                wire.session_id, wire.pool_id, wire.step_id, columns.kinds, columns.seq_ids,
+                columns.token_counts, columns.token_ids, columns.parent_ids, columns.computed,
+                wire.salts, columns.lookaheads))
+        session_id, salts = wire.session_id, wire.salts
+        session = self.sessions.find(session_id)
+        pm = self._pool(wire.pool_id)
+        scope = self._scope(session_id, pm)
+
+        def slow(index: int, kind: int, seq_id: int, token_ids: list[int], parent_id: int,
+                 num_computed: int, lookahead: int) -> OpResult:
+            return apply_op(pm, session_id, kind, seq_id, token_ids, parent_id, num_computed,
+                            salts.get(index, ""), scope, lookahead)
+
+        pool = pm.pool
+        answer, fast_appends, computed_here = compiled_step.run(
+            wire.parsed, pm.session_seqs(session_id), pool.ref_counts, pool.take,
+            pool.num_free, pm.set_computed, pm.shift, pool.num_blocks, slow, wire.step_id,
+            pm.epoch)
+        pm.appended_tokens += fast_appends
+        pm.uncomputed_tokens += fast_appends - computed_here
+        session.last_step_id, session.last_step = wire.step_id, answer
+        return answer
+
+    def _replay_wire(self, data: bytes) -> None:
+        self._apply_wire(parse_step(data, self.compiled_steps))
 
     def _apply_step(self, session_id: str, pool_id: str, step_id: int, kinds: Sequence[int],
                     seq_ids: Sequence[int], token_counts: Sequence[int],
@@ -600,27 +682,27 @@ class BlockServiceCore:
         session.last_step_id, session.last_step = step_id, result
         return result
 
-    def _check_columns(self, kinds: Sequence[int], seq_ids: Sequence[int],
-                       token_counts: Sequence[int], token_ids: Sequence[int],
-                       parent_ids: Sequence[int], computed: Sequence[int],
-                       salts: Mapping[int, str], lookaheads: Sequence[int]) -> None:
-        """Raises INVALID_ARGUMENT unless the columns describe len(kinds) operations."""
-        num_ops = len(kinds)
+    def _check_shape(self, lengths: Sequence[int], token_sum: int,
+                     salts: Mapping[int, str]) -> None:
+        """Raises INVALID_ARGUMENT unless the columns (their `lengths`: kinds, seq_ids,
+        token_counts, token_ids, parent_seq_ids, num_computed_tokens, num_lookahead_slots)
+        describe len(kinds) operations."""
+        num_ops, num_seqs, num_counts, num_tokens, num_parents, num_computed, num_lookaheads = \
+            lengths
         if num_ops > self.limits.max_ops_per_step:
             raise invalid(f"{num_ops} operations in one step: the limit is "
                           f"{self.limits.max_ops_per_step} (max_ops_per_step)")
-        check_tokens_per_request(len(token_ids), self.limits)
-        lengths = {"seq_ids": len(seq_ids), "token_counts": len(token_counts),
-                   "parent_seq_ids": len(parent_ids), "num_computed_tokens": len(computed)}
-        for name, length in lengths.items():
+        check_tokens_per_request(num_tokens, self.limits)
+        named = {"seq_ids": num_seqs, "token_counts": num_counts,
+                 "parent_seq_ids": num_parents, "num_computed_tokens": num_computed}
+        for name, length in named.items():
             if length != num_ops:
                 raise invalid(f"{name} has {length} entries for {num_ops} operations")
-        if lookaheads and len(lookaheads) != num_ops:
-            raise invalid(f"num_lookahead_slots has {len(lookaheads)} entries for {num_ops} "
+        if num_lookaheads and num_lookaheads != num_ops:
+            raise invalid(f"num_lookahead_slots has {num_lookaheads} entries for {num_ops} "
                           "operations (or none)")
-        if sum(token_counts) != len(token_ids):
-            raise invalid(f"token_counts add up to {sum(token_counts)}, token_ids has "
-                          f"{len(token_ids)}")
+        if token_sum != num_tokens:
+            raise invalid(f"token_counts add up to {token_sum}, token_ids has {num_tokens}")
         if any(index >= num_ops for index in salts):
             raise invalid("cache_salts names an operation index past the last operation")
         for salt in salts.values():

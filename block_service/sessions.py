@@ -33,7 +33,7 @@ class Session:
     ttl_s: float
     expires_at: float
     last_step_id: int = -1
-    last_step: StepResult | None = None
+    last_step: StepResult | bytes | None = None  # bytes: a StepResponse (step_wire)
 
 
 class SessionTable:

@@ -114,6 +114,7 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
     add_block = block_ids.append
     offset = 0
     fast_appends = 0
+    computed_here = 0  # num_computed raised here, not through set_computed
     for i, kind, count, seq_id, num_computed, lookahead in zip(
             range(num_ops), kinds, token_counts, seq_ids, computed, lookaheads, strict=True):
         if count == 1 and kind == OP_APPEND:
@@ -139,6 +140,7 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
                                 if num_computed >> shift > seq.num_published:
                                     set_computed(seq, num_computed)  # publishes blocks
                                 else:
+                                    computed_here += num_computed - seq.num_computed
                                     seq.num_computed = num_computed
                             tokens.append(new_token)
                             starts[i] = len(table)
@@ -176,5 +178,6 @@ def run_step(pm: PoolManager, session_id: str, step_id: int, kinds: Sequence[int
         slots.extend(result.slots)
         copies.extend(result.copies)
     pm.appended_tokens += fast_appends
+    pm.uncomputed_tokens += fast_appends - computed_here
     return StepResult(step_id, pm.epoch, statuses, cached, starts, table_counts, block_ids,
                       slot_counts, slots, copies, errors)

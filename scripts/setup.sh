@@ -84,6 +84,21 @@ else
     run "${pip[@]}" install -q --no-cache-dir .
 fi
 
+# The block service's compiled Step (setup.py builds it with the project; optional there, so
+# that a machine without a C compiler still installs): an image must carry it, a developer
+# without it gets a warning and the Python Step path.
+step=("$py" -c "import block_service._stepwire")
+if [ "$dry_run" = 1 ]; then
+    run cd /
+    run "${step[@]}"
+elif ! (cd / && "${step[@]}"); then
+    if [ "$mode" = image ]; then
+        echo "setup.sh: block_service._stepwire did not build (see pip's output)" >&2
+        exit 1
+    fi
+    echo "setup.sh: warning: block_service._stepwire did not build; Steps take the Python path" >&2
+fi
+
 # Build the CPU attention kernel now (about 30 s), not on the first request. Run from / so
 # that the installed package is the one imported (in image mode the source tree is not it).
 # Without a C++ compiler a developer gets a warning and the torch path at run time; an image

@@ -120,6 +120,8 @@ def test_setup_modes_differ_only_in_the_project_and_model_steps() -> None:
     assert len(torch_steps) == 1
     kernel = [cmd for cmd in dev if any("cpu_kernels.available()" in a for a in cmd)]
     assert len(kernel) == 1 and kernel[0][0] == "/opt/pagewire/venv/bin/python"
+    step = [cmd for cmd in dev if cmd[-1] == "import block_service._stepwire"]
+    assert len(step) == 1 and step[0][0] == "/opt/pagewire/venv/bin/python"
 
 
 def test_setup_torch_spec_and_index() -> None:
