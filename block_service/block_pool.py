@@ -152,6 +152,21 @@ class BlockPool:
             return None
         return block
 
+    def cached_run(self, parent_hash: bytes, block_hashes: Sequence[bytes],
+                   block_tokens: Sequence[tuple[int, ...]]) -> int:
+        """How many leading blocks of a chain (each block's hash and tokens, the first one's
+        parent `parent_hash`) are cached here: `lookup` block after block, with the hashes
+        and token tuples made once by the caller for every pool it asks."""
+        hash_to_block, cached_blocks = self.hash_to_block, self._cached
+        for index, block_hash in enumerate(block_hashes):
+            block = hash_to_block.get(block_hash)
+            cached = None if block is None else cached_blocks[block]
+            if cached is None or cached.parent_hash != parent_hash \
+                    or cached.token_ids != block_tokens[index]:
+                return index
+            parent_hash = block_hash
+        return len(block_hashes)
+
     def publish(
         self, block: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int]
     ) -> Publish:

@@ -90,6 +90,15 @@ class PoolManager:
         self.cached_prompt_tokens = 0
         self.copies = 0
         self.no_space = 0
+        # Positions of live sequences whose KV is not computed (a routing load figure), kept
+        # as they change: summing them over every sequence on each Route was its main cost.
+        self.uncomputed_tokens = 0
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if "uncomputed_tokens" not in state:  # a snapshot from before the counter
+            self.uncomputed_tokens = sum(len(seq.tokens) - seq.num_computed
+                                         for seqs in self.seqs.values() for seq in seqs.values())
 
     # ---- lookups -------------------------------------------------------------------------
     def session_seqs(self, session_id: str) -> dict[int, Sequence]:
@@ -164,6 +173,7 @@ class PoolManager:
         """Records computed tokens and publishes the full blocks they complete."""
         if num_computed <= seq.num_computed:
             return  # -1 (unchanged) or an old report: num_computed never decreases
+        self.uncomputed_tokens -= num_computed - seq.num_computed
         seq.num_computed = num_computed
         if seq.publishing and num_computed >> self.shift > seq.num_published:
             self._publish(seq, num_computed >> self.shift)
@@ -215,6 +225,7 @@ class PoolManager:
         num_cached = len(cached) * size
         self.session_seqs(session_id)[seq_id] = Sequence(
             list(token_ids), table, num_cached, hashes, root)
+        self.uncomputed_tokens += num_tokens - num_cached
         self.stale.get(session_id, set()).discard(seq_id)
         self.prompt_tokens += num_tokens
         self.cached_prompt_tokens += num_cached
@@ -264,6 +275,7 @@ class PoolManager:
         table.extend(pool.take() for _ in range(new_blocks))
         seq.tokens.extend(token_ids[filling:])
         seq.tokens.extend([RESERVED] * lookahead)
+        self.uncomputed_tokens += new_len - old_len
         self.appended_tokens += len(token_ids)
         return OpResult(table_start=start, table_block_ids=table[start:], copies=copies,
                         slots=slots_for(table, self.block_size, old_len, new_len))
@@ -305,6 +317,7 @@ class PoolManager:
         release = self.pool.release
         released = sum(release(block) for block in reversed(seq.block_table))
         del self.seqs[session_id][seq_id]
+        self.uncomputed_tokens -= len(seq.tokens) - seq.num_computed
         return OpResult(num_released_blocks=released)
 
     @_answers_refusals
@@ -324,6 +337,7 @@ class PoolManager:
         for block in child.block_table:
             self.pool.acquire(block)
         self.session_seqs(session_id)[child_id] = child
+        self.uncomputed_tokens += len(child.tokens) - child.num_computed
         self.stale.get(session_id, set()).discard(child_id)
         return OpResult(table_start=0, table_block_ids=list(child.block_table))
 
@@ -343,6 +357,7 @@ class PoolManager:
         for session_id, seqs in self.seqs.items():
             self.stale.setdefault(session_id, set()).update(seqs)
         self.seqs = {}
+        self.uncomputed_tokens = 0
         self.epoch = epoch
         events = self.pool.events  # the pool's subscribers follow it into the new epoch
         self.pool = BlockPool(num_blocks, block_size)

@@ -120,21 +120,23 @@ class RunnerRegistry:
     def end_session(self, session_id: str) -> None:
         self.waiting.pop(session_id, None)
 
-    def queued_tokens(self, pm: PoolManager) -> int:
+    def loads(self, pms: Sequence[PoolManager]) -> list[RunnerLoad]:
+        """The load figures of these pools (the reports and routes summed in one pass for
+        all of them: Route and ListRunners ask for every pool at once)."""
         now = self.clock()
-        reported = sum(tokens for pool_id, tokens in self.waiting.values()
-                       if pool_id == pm.pool_id)
-        routed = sum(tokens for (_, pool_id), (tokens, at) in self.routed.items()
-                     if pool_id == pm.pool_id and now - at < ROUTED_FIGURE_TTL_S)
-        uncomputed = sum(len(seq.tokens) - seq.num_computed
-                         for seqs in pm.seqs.values() for seq in seqs.values())
-        return reported + routed + uncomputed
-
-    def load(self, pm: PoolManager) -> RunnerLoad:
-        queued = self.queued_tokens(pm)
-        num_seqs = pm.num_sequences()
-        return RunnerLoad(pm.pool.num_free(), num_seqs, queued,
-                          queued + DECODE_WEIGHT_TOKENS * num_seqs)
+        queued: dict[str, int] = {}
+        for pool_id, tokens in self.waiting.values():
+            queued[pool_id] = queued.get(pool_id, 0) + tokens
+        for (_, pool_id), (tokens, at) in self.routed.items():
+            if now - at < ROUTED_FIGURE_TTL_S:
+                queued[pool_id] = queued.get(pool_id, 0) + tokens
+        loads = []
+        for pm in pms:
+            tokens = queued.get(pm.pool_id, 0) + pm.uncomputed_tokens
+            num_seqs = pm.num_sequences()
+            loads.append(RunnerLoad(pm.pool.num_free(), num_seqs, tokens,
+                                    tokens + DECODE_WEIGHT_TOKENS * num_seqs))
+        return loads
 
     # ---- placement -----------------------------------------------------------------------
     def choose(self, policy: int, candidates: Sequence[Candidate]) -> Candidate:
@@ -152,16 +154,35 @@ class RunnerRegistry:
         self.last_chosen = chosen.pool_id
         return chosen
 
-    def pending_blocks(self, pool_id: str, hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of a prompt (by chained hash) are pending on the pool."""
+    def pending_blocks(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """Per pool, how many leading blocks of a prompt (by chained hash) are pending there
+        (pools with none are left out).
+
+        A pool's pending blocks of a chain are a prefix of it, fresher towards its start:
+        add_pending marks a routed prompt's blocks from the first on with one time, and a
+        chained hash names its whole prefix, so whatever marks block k marked blocks 0..k-1
+        then or later (and expiry drops the oldest first). So each pool pending on the first
+        block needs a binary search, not a walk along the prompt.
+        """
         now = self.clock()
-        count = 0
-        for digest in hashes:
-            at = self.pending.get(digest, {}).get(pool_id)
-            if at is None or now - at >= PENDING_PREFIX_TTL_S:
-                break
-            count += 1
-        return count
+        pending = self.pending
+        first = pending.get(hashes[0]) if hashes else None
+        if not first:
+            return {}
+        counts: dict[str, int] = {}
+        for pool, at in first.items():
+            if now - at >= PENDING_PREFIX_TTL_S:
+                continue
+            low, high = 1, len(hashes)  # blocks 0 .. low-1 are pending
+            while low < high:
+                middle = (low + high + 1) // 2
+                marked = pending.get(hashes[middle - 1], {}).get(pool)
+                if marked is not None and now - marked < PENDING_PREFIX_TTL_S:
+                    low = middle
+                else:
+                    high = middle - 1
+            counts[pool] = low
+        return counts
 
     def add_pending(self, pool_id: str, hashes: Sequence[bytes]) -> None:
         """Marks a routed prompt's blocks as being computed on the pool."""

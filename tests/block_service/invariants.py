@@ -67,6 +67,8 @@ def check_sequences(pm: PoolManager, check_hashes: bool = True) -> None:
     for seqs in pm.seqs.values():
         for seq in seqs.values():
             holders.update(seq.block_table)
+    assert pm.uncomputed_tokens == sum(len(seq.tokens) - seq.num_computed
+                                       for seqs in pm.seqs.values() for seq in seqs.values())
     for seqs in pm.seqs.values():
         for seq in seqs.values():
             tokens = seq.tokens
