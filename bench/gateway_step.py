@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from block_service.core import BlockServiceCore  # noqa: E402
-from block_service.servicer import step_response  # noqa: E402
+from block_service.step_wire import step_response  # noqa: E402
 from gateway.request import Request  # noqa: E402
 from gateway.runner_loop import RunnerLoop  # noqa: E402
 from gateway.scheduler import Scheduler  # noqa: E402

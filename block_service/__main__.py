@@ -18,14 +18,13 @@ from block_service.journal import (
 )
 from block_service.metrics import register_pool_metrics
 from block_service.reaper import LeaseReaper
-from block_service.servicer import SERVICE_NAME, register
+from block_service.servicer import serve
 from block_service.sessions import LeasePolicy
 from common.log import setup_logging
 from common.server import (
     add_server_arguments,
     run_until_signal,
     server_options_from_args,
-    start_server,
 )
 
 DEFAULT_PORT = 50052
@@ -74,6 +73,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="how often expired leases are looked for")
     add_limit_arguments(parser)
     add_journal_arguments(parser)
+    parser.add_argument("--server", choices=["aio", "threads"], default="aio",
+                        help="aio: Steps on an event loop, no thread per StepStream (default); "
+                             "threads: the threaded server of earlier versions (a thread per "
+                             "StepStream; kept for comparison: bench/control_plane.py)")
+    parser.add_argument("--step-path", choices=["compiled", "python"], default="compiled",
+                        help="compiled: Steps through block_service._stepwire where it is "
+                             "built (default); python: the Python path (same answers, several "
+                             "times the CPU; for comparison)")
     parser.add_argument("--log-level", default=None)
     args = parser.parse_args(argv)
     if not 0 < args.min_lease_ttl_s <= args.default_lease_ttl_s <= args.max_lease_ttl_s:
@@ -106,14 +113,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("block_service", args.log_level)
     core = BlockServiceCore(
         LeasePolicy(args.default_lease_ttl_s, args.min_lease_ttl_s, args.max_lease_ttl_s),
-        limits=Limits(**{name: getattr(args, name) for name in vars(Limits())}))
+        limits=Limits(**{name: getattr(args, name) for name in vars(Limits())}),
+        compiled_steps=args.step_path == "compiled")
     journal = recover(core, args) if args.journal_dir else None
     register_pool_metrics(core)
-    service = start_server(options, register(core, options.max_workers), [SERVICE_NAME])
+    service, stop_loop = serve(core, options, threaded=args.server == "threads")
     reaper = LeaseReaper(core, args.reap_interval_s).start()
 
     def stop() -> None:
         reaper.stop()
+        stop_loop()
         if journal is not None:
             journal.close()
 

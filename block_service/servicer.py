@@ -1,21 +1,27 @@
 """The gRPC face of BlockServiceCore: protobuf in, core call, protobuf out.
 
 Requests are turned into plain lists here, outside the core's lock; whole-call failures of the
-core (BlockServiceError) become the gRPC status of the same name.
+core (BlockServiceError) become the gRPC status of the same name. Step and StepStream are the
+exception: their handlers take the request's wire bytes and send the answer's as the core
+returns them (BlockServiceCore.step_wire, block_service/step_wire.py). On the block service's
+grpc.aio server (`serve`) a StepStream is a coroutine on the event loop and holds no thread;
+on a threaded server (tests, `--server threads`) it holds one of the server's threads.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from block_service.core import BlockServiceCore
 from block_service.events_servicer import KvEventsServicer
-from block_service.ops import STATUS_OK, BlockServiceError, PoolInfo, StepResult
+from block_service.ops import STATUS_OK, BlockServiceError, PoolInfo
 from common.handlers import lenient_handlers
+from common.server import EventLoopThread, GrpcService, ServerOptions, start_server
 from protos import block_pb2, block_pb2_grpc
 
 SERVICE = block_pb2.DESCRIPTOR.services_by_name["BlockService"]
@@ -28,19 +34,6 @@ def pool_message(info: PoolInfo) -> block_pb2.Pool:
     """A PoolInfo as a Pool message."""
     return block_pb2.Pool(pool_id=info.pool_id, num_blocks=info.num_blocks,
                           block_size=info.block_size, epoch=info.epoch, address=info.address)
-
-
-def step_response(result: StepResult) -> block_pb2.StepResponse:
-    """A StepResult as a StepResponse (the columns are copied in bulk)."""
-    return block_pb2.StepResponse(
-        step_id=result.step_id, epoch=result.epoch,
-        op_statuses=result.op_statuses,  # type: ignore[arg-type]  # ints equal to OpStatus
-        num_cached_tokens=result.num_cached_tokens, table_starts=result.table_starts,
-        table_counts=result.table_counts, table_block_ids=result.table_block_ids,
-        slot_counts=result.slot_counts, slot_mapping=result.slot_mapping,
-        copies=[block_pb2.BlockCopy(src_block_id=src, dst_block_id=dst)
-                for src, dst in result.copies],
-        errors=result.errors)
 
 
 # Server threads kept for unary calls (KeepAlive, health, Step) however many StepStreams are
@@ -132,19 +125,24 @@ class BlockServicer(KvEventsServicer, block_pb2_grpc.BlockServiceServicer):
             request.session_id, request.pool_id, request.parent_seq_id, request.child_seq_id))
         return block_pb2.ForkResponse(block_table=result.table_block_ids)
 
-    def Step(self, request: block_pb2.StepRequest,
-             context: grpc.ServicerContext) -> block_pb2.StepResponse:
-        # container[:] makes a list about twice as fast as list(container) does.
-        result = self._call(context, lambda: self.core.step(
-            request.session_id, request.pool_id, request.step_id, request.epoch,
-            request.op_kinds[:], request.seq_ids[:], request.token_counts[:],
-            request.token_ids[:], request.parent_seq_ids[:],
-            request.num_computed_tokens[:], dict(request.cache_salts),
-            request.num_lookahead_slots[:], request.num_waiting_tokens))
-        return step_response(result)
+    def _step(self, data: bytes) -> bytes | tuple[grpc.StatusCode, str]:
+        """A Step's answer bytes, or the status its call ends with."""
+        try:
+            return self.core.step_wire(data)
+        except DecodeError as error:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"malformed StepRequest: {error}"
+        except BlockServiceError as error:
+            return getattr(grpc.StatusCode, error.code.value), error.message
 
-    def StepStream(self, requests: Iterator[block_pb2.StepRequest],
-                   context: grpc.ServicerContext) -> Iterator[block_pb2.StepResponse]:
+    def Step(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        answer = self._step(data)
+        if isinstance(answer, bytes):
+            return answer
+        context.abort(*answer)
+        raise AssertionError("unreachable: abort raises")
+
+    def StepStream(self, requests: Iterator[bytes],
+                   context: grpc.ServicerContext) -> Iterator[bytes]:
         slots = self._stream_slots
         if slots is None or not slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -152,10 +150,21 @@ class BlockServicer(KvEventsServicer, block_pb2_grpc.BlockServiceServicer):
                           "server has threads for (--max-workers): use Step")
             return
         try:
-            for request in requests:
-                yield self.Step(request, context)
+            for data in requests:
+                yield self.Step(data, context)
         finally:
             slots.release()
+
+    async def step_stream_async(self, requests: AsyncIterator[bytes],
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """StepStream on the grpc.aio server: each Step runs on the event loop (the core's
+        work for one is a fraction of a millisecond), so an open stream holds no thread."""
+        async for data in requests:
+            answer = self._step(data)
+            if not isinstance(answer, bytes):
+                await context.abort(*answer)
+                return
+            yield answer
 
     def MatchPrefix(self, request: block_pb2.MatchPrefixRequest,
                     context: grpc.ServicerContext) -> block_pb2.MatchPrefixResponse:
@@ -203,11 +212,35 @@ class BlockServicer(KvEventsServicer, block_pb2_grpc.BlockServiceServicer):
             for c in candidates])
 
 
+def generic_handler(servicer: BlockServicer, aio: bool) -> grpc.GenericRpcHandler:
+    """Every BlockService method of `servicer`, for a grpc.aio server (`aio`) or a threaded
+    one: Step and StepStream take and give wire bytes (no deserializer or serializer)."""
+    stream = servicer.step_stream_async if aio else servicer.StepStream
+    wire = {"Step": grpc.unary_unary_rpc_method_handler(servicer.Step),
+            "StepStream": grpc.stream_stream_rpc_method_handler(stream)}
+    return lenient_handlers(servicer, SERVICE, block_pb2, wire)
+
+
 def register(core: BlockServiceCore, max_workers: int) -> Callable[[grpc.Server], None]:
     """The `register` callback for common.server.start_server, for a server with
-    `max_workers` threads."""
+    `max_workers` threads (a threaded one, or a grpc.aio one with that migration pool)."""
     servicer = BlockServicer(core, max(0, max_workers - UNARY_THREADS))
 
-    def add(server: grpc.Server) -> None:
-        server.add_generic_rpc_handlers((lenient_handlers(servicer, SERVICE, block_pb2),))
+    def add(server: grpc.Server | grpc.aio.Server) -> None:
+        server.add_generic_rpc_handlers(
+            (generic_handler(servicer, isinstance(server, grpc.aio.Server)),))
     return add
+
+
+def serve(core: BlockServiceCore, options: ServerOptions,
+          threaded: bool = False) -> tuple[GrpcService, Callable[[], None]]:
+    """Starts the block service's server: a grpc.aio one on an event loop thread of its own
+    (`threaded`: a threaded one, as before it). Returns it and what ends the loop after it
+    has stopped."""
+    if threaded:
+        return start_server(options, register(core, options.max_workers), [SERVICE_NAME]), \
+            lambda: None
+    loop = EventLoopThread("block-service-loop")
+    service = start_server(options, register(core, options.max_workers), [SERVICE_NAME],
+                           loop=loop.loop)
+    return service, loop.stop

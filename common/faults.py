@@ -9,10 +9,12 @@ messages are delayed (a slow moment, not a slow service). Nothing is injected wh
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -71,6 +73,9 @@ class DelayInterceptor(UnaryInterceptor):
         )
 
     def _wrap_stream(self, inner: StreamBehavior) -> StreamBehavior:
+        if inspect.isasyncgenfunction(inner):  # a grpc.aio server's coroutine stream
+            return self._wrap_async_stream(inner)  # type: ignore[return-value]
+
         def delayed(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             def late() -> Iterator[Any]:
                 for request in requests:
@@ -79,6 +84,21 @@ class DelayInterceptor(UnaryInterceptor):
                     yield request
 
             return inner(late(), context)
+
+        return delayed
+
+    def _wrap_async_stream(self, inner: Callable[..., AsyncIterator[Any]]
+                           ) -> Callable[..., AsyncIterator[Any]]:
+        async def delayed(requests: AsyncIterator[Any],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def late() -> AsyncIterator[Any]:
+                async for request in requests:
+                    if self._take_one():
+                        await asyncio.sleep(self.delay_s)
+                    yield request
+
+            async for response in inner(late(), context):
+                yield response
 
         return delayed
 

@@ -104,14 +104,18 @@ _HANDLER_KINDS: dict[tuple[bool, bool],
 
 
 def lenient_handlers(
-    servicer: object, service: ServiceDescriptor, messages: ModuleType
+    servicer: object, service: ServiceDescriptor, messages: ModuleType,
+    own: dict[str, grpc.RpcMethodHandler] | None = None,
 ) -> grpc.GenericRpcHandler:
     """A generic handler for every method of `service` (unary, server-streaming or
     bidirectional), calling the servicer's method of the same name; `messages` is the
     service's *_pb2 module. A server-streaming method may be an async generator, on a grpc.aio
-    server."""
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    server. `own` gives some methods' handlers as they are (e.g. ones that take the request's
+    wire bytes and parse it themselves)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = dict(own or {})
     for method in service.methods:
+        if method.name in handlers:
+            continue
         request_class = getattr(messages, method.input_type.name)
         response_class = getattr(messages, method.output_type.name)
         behavior = getattr(servicer, method.name)

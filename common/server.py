@@ -152,6 +152,20 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, thread_id, min(19, current + nice))
 
 
+class EventLoopThread:
+    """An asyncio event loop on a thread of its own, for a grpc.aio server (start_server's
+    `loop`) and whatever else serves on it."""
+
+    def __init__(self, name: str = "event-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
 class GrpcService:
     """A started server with its health status."""
 

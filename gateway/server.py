@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -15,6 +13,7 @@ from common.handlers import lenient_handlers
 from common.log import setup_logging
 from common.security import ClientTls, open_channel
 from common.server import (
+    EventLoopThread,
     GrpcService,
     ServerOptions,
     add_server_arguments,
@@ -72,22 +71,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-
-
-class EventLoopThread:
-    """The gateway's asyncio event loop, on a thread of its own: both public APIs (gRPC and
-    HTTP) serve their streams on it, and the runner loops hand it each step's messages in one
-    batch (gateway/delivery.py)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="event-loop",
-                                        daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
 
 
 class Gateway:

@@ -76,9 +76,10 @@ ALLOWED: dict[str, set[grpc.StatusCode]] = {
 }
 
 
-# The BlockServiceCore methods the servicer calls (one per RPC; StepStream calls step).
+# The BlockServiceCore methods the servicer calls (one per RPC; Step and StepStream call
+# step_wire).
 CORE_ENTRIES = ("open_session", "keep_alive", "close_session", "create_pool", "get_pool",
-                "allocate", "append", "free", "fork", "step", "match_prefix", "stats",
+                "allocate", "append", "free", "fork", "step_wire", "match_prefix", "stats",
                 "register_runner", "unregister_runner", "list_runners", "route",
                 "subscribe_events")
 

@@ -32,8 +32,7 @@ from block_service.events_servicer import batch_message
 from block_service.hashing import ROOT_HASH, chain_hashes, root_hash
 from block_service.journal import Journal, read_journal
 from block_service.ops import OP_ALLOCATE, OP_APPEND, OP_FREE, BlockServiceError, ErrorCode
-from block_service.servicer import SERVICE, SERVICE_NAME, UNARY_THREADS, BlockServicer
-from common.handlers import lenient_handlers
+from block_service.servicer import SERVICE_NAME, UNARY_THREADS, BlockServicer, generic_handler
 from common.server import GrpcService, ServerOptions, start_server
 from protos import block_pb2, block_pb2_grpc
 
@@ -318,7 +317,7 @@ def serve(make_core) -> Iterator[Any]:
         service = start_server(
             ServerOptions(port=0, max_workers=max_workers),
             lambda server: server.add_generic_rpc_handlers(
-                (lenient_handlers(servicer, SERVICE, block_pb2),)),
+                (generic_handler(servicer, aio=False),)),
             [SERVICE_NAME])
         channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
         started.append(Server(core, servicer, service, block_pb2_grpc.BlockServiceStub(channel),

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from block_service.core import BlockServiceCore
 from block_service.reaper import LeaseReaper
-from block_service.servicer import SERVICE_NAME, register
+from block_service.servicer import SERVICE_NAME, register, serve
 from block_service.sessions import LeasePolicy
 from common.server import ServerOptions, start_server
 from protos import block_pb2, block_pb2_grpc
@@ -24,11 +24,11 @@ POOL = "runner-0"
 OK = block_pb2.OP_STATUS_OK
 
 
-@pytest.fixture
-def stub() -> Iterator[block_pb2_grpc.BlockServiceStub]:
+# Both servers of the block service: grpc.aio (the default) and the threaded one.
+@pytest.fixture(params=["aio", "threads"])
+def stub(request: pytest.FixtureRequest) -> Iterator[block_pb2_grpc.BlockServiceStub]:
     core = BlockServiceCore(LeasePolicy(default_ttl_s=10.0, min_ttl_s=0.5, max_ttl_s=60.0))
-    options = ServerOptions(port=0)
-    service = start_server(options, register(core, options.max_workers), [SERVICE_NAME])
+    service, stop_loop = serve(core, ServerOptions(port=0), threaded=request.param == "threads")
     reaper = LeaseReaper(core, interval_s=0.1).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = block_pb2_grpc.BlockServiceStub(channel)
@@ -38,6 +38,7 @@ def stub() -> Iterator[block_pb2_grpc.BlockServiceStub]:
     channel.close()
     reaper.stop()
     service.stop(grace_s=0)
+    stop_loop()
 
 
 def open_session(stub: block_pb2_grpc.BlockServiceStub, ttl_ms: int = 0) -> str:
@@ -350,3 +351,36 @@ def test_step_stream_beyond_the_servers_threads_is_refused():
             feed.set()
         channel.close()
         service.stop(grace_s=0)
+
+
+def test_step_streams_on_the_aio_server_hold_no_thread():
+    """More open StepStreams than the server has threads are all served (the threaded
+    server refuses them: the test above), and unary calls go on meanwhile."""
+    core = BlockServiceCore(LeasePolicy(default_ttl_s=10.0, min_ttl_s=0.5, max_ttl_s=60.0))
+    service, stop_loop = serve(core, ServerOptions(port=0, max_workers=6))
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = block_pb2_grpc.BlockServiceStub(channel)
+    stub.CreatePool(block_pb2.CreatePoolRequest(pool_id=POOL, num_blocks=64, block_size=16,
+                                                epoch=7))
+    feeds = [threading.Event() for _ in range(10)]
+    sessions = [open_session(stub) for _ in feeds]
+
+    def held_open(session: str, done: threading.Event) -> Iterator[block_pb2.StepRequest]:
+        yield block_pb2.StepRequest(
+            session_id=session, pool_id=POOL, step_id=1, epoch=7,
+            op_kinds=[block_pb2.OP_KIND_ALLOCATE], seq_ids=[1], token_counts=[1],
+            token_ids=[5], parent_seq_ids=[0], num_computed_tokens=[-1])
+        done.wait(10)
+
+    try:
+        streams = [stub.StepStream(held_open(session, feed))
+                   for session, feed in zip(sessions, feeds, strict=True)]
+        for stream in streams:
+            assert list(next(stream).op_statuses) == [OK]
+        assert used_blocks(stub) == len(streams)  # one block each, and unary calls answer
+    finally:
+        for feed in feeds:
+            feed.set()
+        channel.close()
+        service.stop(grace_s=0)
+        stop_loop()

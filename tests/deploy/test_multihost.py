@@ -47,9 +47,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.registration import DEFAULT_LEASE_MS
 from common.security import open_channel
-from common.server import ServerOptions, start_server
+from common.server import EventLoopThread, ServerOptions, start_server
 from gateway.client import PagewireClient
-from gateway.server import _CHANNEL_OPTIONS, EventLoopThread
+from gateway.server import _CHANNEL_OPTIONS
 from gateway.tokenizer import Tokenizer
 from protos import block_pb2, block_pb2_grpc
 from tests.deploy import kube
