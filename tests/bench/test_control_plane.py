@@ -1,6 +1,7 @@
-"""bench/control_plane.py counts and checks every Step (its quickest run, and its checks against
-the service's code in-process); bench/sim_runner.py answers Info and Execute as a runner does:
-deterministic tokens, pending tokens from the step before, idempotent retries."""
+"""bench/control_plane.py counts and checks every Step (its quickest run of both servers, its
+recording checked against the service's code in-process, a replayed answer compared in full);
+bench/sim_runner.py answers Info and Execute as a runner does: deterministic tokens, pending
+tokens from the step before, idempotent retries."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench import control_plane
-from bench.control_plane import BadAnswer, RunnerLoop
+from bench import control_plane_load
+from bench.control_plane import SERVERS
+from bench.control_plane_load import BadAnswer, RunnerLoop, describe_difference, record
 from bench.harness import free_port_run
 from bench.sim_runner import CostModel, sim_token
 from block_service.core import BlockServiceCore
-from block_service.servicer import BlockServicer
 from gateway.scheduler import OPERATION_ORDER
 from protos import block_pb2, runner_pb2, runner_pb2_grpc
 from tests.helpers.services import ServiceProcess
@@ -25,34 +26,45 @@ from tests.helpers.services import ServiceProcess
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quickest_run_counts_steps_and_finds_every_answer_valid(tmp_path: Path) -> None:
+def test_quickest_run_of_both_servers_counts_steps_and_finds_every_answer_valid(
+        tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "bench/control_plane.py", "--loops", "1,4", "--sweep-loops", "",
-         "--floor-loops", "2",
-         "--journal", "off", "--warm-s", "0.3", "--measure-s", "1", "--profile-steps", "20",
-         "--settle-max-s", "0",
-         "--results", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+        [sys.executable, "bench/control_plane.py", "--loops", "4", "--sweep-loops", "",
+         "--floor-loops", "2", "--journal", "both", "--snapshot-every-records", "50",
+         "--warm-s", "0.3", "--measure-s", "1", "--profile-steps", "20",
+         "--settle-max-s", "0", "--results", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     data = json.loads((tmp_path / "control_plane.json").read_text())
-    assert [(row["loops"], row["batch"]) for row in data["points"]] == [(1, 256), (4, 256),
-                                                                        (2, 1)]
+    shapes = [(row["server"], row["loops"], row["batch"], row["journal"])
+              for row in data["points"]]
+    assert shapes == [(server, *shape) for server in SERVERS
+                      for shape in [(4, 256, False), (4, 256, True), (2, 1, False)]]
     for row in data["points"]:
         assert row["bad_answers"] == 0, row["errors"]
-        assert row["steps"] > 0
+        assert row["steps"] > 0 and not row["ran_out"]
         assert row["answers_checked"] > row["steps"]  # set-up and warm-up are checked too
         assert row["batch"] - 6 <= row["appends_per_step"] <= row["batch"]
         assert row["server_cpu_s"] > 0 and row["clients_cpu_s"] > 0
-    assert data["profile"]["no journal"]["steps"] == 20
-    assert "Against the target" in (tmp_path / "control_plane.md").read_text()
+        if row["journal"]:  # 4 loops at 8 ms: ~500 records a second, one snapshot per 50
+            assert row["snapshots"] > 0
+    assert set(data["profile"]) == {"compiled", "compiled, journal", "Python",
+                                    "Python, journal"}
+    assert data["profile"]["compiled"]["steps"] == 20
+    text = (tmp_path / "control_plane.md").read_text()
+    assert "Against the target" in text and "aio + compiled against threads + Python" in text
 
 
-def in_process_loop() -> tuple[RunnerLoop, BlockServicer]:
+def in_process_loop() -> tuple[RunnerLoop, BlockServiceCore]:
     core = BlockServiceCore()
     loop = RunnerLoop(0, seed=1)
-    core.create_pool(loop.pool_id, loop.pool_blocks, control_plane.BLOCK_SIZE, 1)
+    core.create_pool(loop.pool_id, loop.pool_blocks, control_plane_load.BLOCK_SIZE, 1)
     loop.session_id, _ = core.open_session("test", 60_000)
-    return loop, BlockServicer(core, 0)
+    return loop, core
+
+
+def step(core: BlockServiceCore, plan: control_plane_load.Plan) -> block_pb2.StepResponse:
+    return block_pb2.StepResponse.FromString(core.step_wire(plan.request.SerializeToString()))
 
 
 # Which of a plan's groups (gateway/scheduler.py OPERATION_ORDER) each operation kind is.
@@ -63,7 +75,7 @@ GROUP_OF_KIND = {block_pb2.OP_KIND_FREE: "frees", block_pb2.OP_KIND_COMMIT: "com
 
 def test_loop_steps_check_out_against_the_service_through_frees_and_allocates() -> None:
     """...and each Step orders its operations as the gateway does."""
-    loop, servicer = in_process_loop()
+    loop, core = in_process_loop()
     appends = allocates = frees = 0
     kinds_seen: set[str] = set()
     for _ in range(300):
@@ -72,25 +84,43 @@ def test_loop_steps_check_out_against_the_service_through_frees_and_allocates() 
         kinds_seen.update(groups)
         ranks = [OPERATION_ORDER.index(group) for group in groups]
         assert ranks == sorted(ranks), f"step {loop.step_id}: {groups}"
-        loop.check(servicer.Step(plan.request, None), plan)  # type: ignore[arg-type]
+        loop.check(step(core, plan), plan)
         appends += len(plan.rows)
         allocates += len(plan.allocates)
         frees += len(plan.frees)
     assert allocates > 256 and frees == allocates - 256  # sequences were replaced
     assert appends > 290 * 250
-    assert loop.figures.checked == 300
+    assert loop.checked == 300
     assert kinds_seen == {"frees", "appends", "allocates"}
+
+
+def test_a_recording_replays_on_another_pool_and_session_with_the_same_answers() -> None:
+    recording = record(control_plane_load.BATCH, seed=3, num_steps=40)
+    assert recording.set_up == control_plane_load.ALLOCATE_STEPS + 1  # then every row appends
+    assert sum(step.allocates for step in recording.steps) >= 256
+    core = BlockServiceCore()  # the compiled path, another pool id and session
+    core.create_pool("sim-r9", recording.batch * control_plane_load.BLOCKS_PER_SEQUENCE,
+                     control_plane_load.BLOCK_SIZE, 1)
+    session_id, _ = core.open_session("replay", 60_000)
+    prefix = control_plane_load.header(session_id, "sim-r9")
+    for recorded in recording.steps:
+        assert core.step_wire(prefix + recorded.request) == recorded.answer
+    assert core.stats("sim-r9").num_sequences == 256
+    wrong = block_pb2.StepResponse.FromString(recording.steps[-1].answer)
+    wrong.slot_mapping[0] += 1
+    assert "slot_mapping" in describe_difference(wrong.SerializeToString(),
+                                                 recording.steps[-1].answer)
 
 
 @pytest.mark.parametrize("damage", ["slot", "status", "new block", "step id"])
 def test_loop_check_refuses_a_wrong_answer(damage: str) -> None:
-    loop, servicer = in_process_loop()
+    loop, core = in_process_loop()
     for _ in range(20):  # past the set-up: decode Steps
         plan = loop.plan_step()
-        loop.check(servicer.Step(plan.request, None), plan)  # type: ignore[arg-type]
+        loop.check(step(core, plan), plan)
     while True:  # a Step in which some position starts a new block
         plan = loop.plan_step()
-        answer = servicer.Step(plan.request, None)  # type: ignore[arg-type]
+        answer = step(core, plan)
         if any(answer.table_counts):
             break
         loop.check(answer, plan)
@@ -101,7 +131,7 @@ def test_loop_check_refuses_a_wrong_answer(damage: str) -> None:
     elif damage == "new block":
         index = list(answer.table_counts).index(1)  # an APPEND's new block: give it one in use
         taken = next(iter(loop.in_use))
-        shift = (answer.table_block_ids[0] - taken) * control_plane.BLOCK_SIZE
+        shift = (answer.table_block_ids[0] - taken) * control_plane_load.BLOCK_SIZE
         answer.table_block_ids[0] = taken
         answer.slot_mapping[index - len(plan.frees)] -= shift
     else:
