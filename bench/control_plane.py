@@ -110,7 +110,11 @@ SERVERS = {
     "aio + compiled": ("--server", "aio", "--step-path", "compiled"),
 }
 RECORDING_MARGIN_S = 2.0  # recorded Steps beyond warm-up and window, per loop
-MAX_STEPS_PER_LOOP_S = 4000.0  # no loop steps faster (a round trip is over 0.25 ms here)
+# Recorded Steps are bounded by these rates (a loop that reaches the end of the recording
+# stops and its point says "ran out"): one loop never steps faster (a round trip is over
+# 0.25 ms here), and all loops together not faster than twice the target.
+MAX_STEPS_PER_LOOP_S = 4000.0
+MAX_STEPS_S = 2 * TARGET_STEPS_PER_S
 
 
 # ---- one measured point ------------------------------------------------------------------
@@ -149,8 +153,9 @@ class Recordings:
 
 def steps_needed(point: Point, warm_s: float, measure_s: float) -> int:
     """Recorded Steps (after the set-up) one loop of `point` may send at most."""
-    rate = MAX_STEPS_PER_LOOP_S if not point.step_ms else \
-        min(MAX_STEPS_PER_LOOP_S, 1e3 / point.step_ms)
+    rate = min(MAX_STEPS_PER_LOOP_S, MAX_STEPS_S / point.loops)
+    if point.step_ms:
+        rate = min(rate, 1e3 / point.step_ms)
     return int((warm_s + measure_s + RECORDING_MARGIN_S) * rate) + 1
 
 

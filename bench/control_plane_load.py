@@ -278,8 +278,9 @@ def record(batch: int, seed: int, num_steps: int) -> Recording:
     prefix = header(session_id, loop.pool_id)
     steps: list[RecordedStep] = []
     set_up = 0
-    while len(steps) < set_up + num_steps:
-        setting_up = not loop.allocated or bool(loop.fresh)
+    while not set_up or len(steps) < set_up + num_steps:
+        if not set_up and loop.allocated:  # and this Step makes the last rows' first APPENDs
+            set_up = len(steps) + 1
         plan = loop.plan_step()
         plan.request.ClearField("pool_id")  # the header gives them (the last one wins)
         plan.request.ClearField("session_id")
@@ -288,8 +289,6 @@ def record(batch: int, seed: int, num_steps: int) -> Recording:
         loop.check(block_pb2.StepResponse.FromString(answer), plan)
         steps.append(RecordedStep(request, answer, len(plan.rows), plan.prefill_tokens,
                                   len(plan.allocates), len(plan.frees)))
-        if setting_up:
-            set_up += 1
     return Recording(batch, seed, set_up, steps)
 
 
