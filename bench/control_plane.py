@@ -764,7 +764,10 @@ def main(argv: list[str] | None = None) -> int:
     data["seconds"] = time.monotonic() - started
     if args.previous is not None:
         earlier = json.loads(args.previous.read_text())
-        data["previous_runs"] = [*earlier.get("previous_runs", []), run_summary(earlier)]
+        # A run from before the servers were compared has no summary of this form.
+        current_form = all("server" in row for row in earlier["points"])
+        data["previous_runs"] = [*earlier.get("previous_runs", []),
+                                 *([run_summary(earlier)] if current_form else [])]
     save_results(args.results, "control_plane", data, markdown(data))
     return 1 if any(row["bad_answers"] for row in data["points"]) else 0
 

@@ -289,15 +289,17 @@ def proc_stat(path: Path | str) -> list[str]:
 class ProcessCounters(NamedTuple):
     """Of one process so far (a tuple, so that deltas are taken field by field)."""
 
-    cpu_s: float  # all threads, user + system
+    cpu_s: float  # all threads, user + system, and the children it has reaped (snapshot writers)
     kernel_s: float  # of that, system
     python_s: float  # threads named "python"
     switches: float  # context switches of its live threads
 
 
 def service_counters(pid: int) -> ProcessCounters:
-    """Of a process so far: its CPU seconds, of them in the kernel, CPU seconds of its threads
-    named "python", context switches of its live threads. The Python threads run the
+    """Of a process so far: its CPU seconds (with those of the children it has waited for:
+    the block service's journal snapshots are written by forked children), of them in the
+    kernel, CPU seconds of its threads named "python", context switches of its live threads.
+    The Python threads run the
     handlers, protobuf and gRPC's Python layer (under the GIL), and gRPC's C core where they
     poll; gRPC's own threads (event_engine, timer) work without the GIL."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -315,7 +317,9 @@ def service_counters(pid: int) -> ProcessCounters:
                 if line.endswith(tuple("0123456789")) and "ctxt_switches" in line:
                     switches += int(line.split()[-1])
     total, kernel = cpu(Path(f"/proc/{pid}/stat"))
-    return ProcessCounters(total, kernel, python, switches)
+    fields = proc_stat(f"/proc/{pid}/stat")
+    children = (int(fields[13]) + int(fields[14])) / ticks  # cutime + cstime
+    return ProcessCounters(total + children, kernel, python, switches)
 
 
 def machine_busy_s() -> float:
