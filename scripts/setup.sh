@@ -84,33 +84,29 @@ else
     run "${pip[@]}" install -q --no-cache-dir .
 fi
 
-# The block service's compiled Step (setup.py builds it with the project; optional there, so
-# that a machine without a C compiler still installs): an image must carry it, a developer
-# without it gets a warning and the Python Step path.
-step=("$py" -c "import block_service._stepwire")
-if [ "$dry_run" = 1 ]; then
-    run cd /
-    run "${step[@]}"
-elif ! (cd / && "${step[@]}"); then
-    if [ "$mode" = image ]; then
-        echo "setup.sh: block_service._stepwire did not build (see pip's output)" >&2
-        exit 1
+# The compiled pieces are checked (and the CPU kernel built) now, not on the first request. Run
+# from / so that the installed package is the one imported (in image mode the source tree is
+# not it). Where one cannot be built (no C or C++ compiler) a developer gets a warning and the
+# Python or torch path at run time; an image must carry them.
+# check_built WHAT FALLBACK COMMAND...: runs the check; fails an image, warns a developer.
+check_built() {
+    local what=$1 fallback=$2
+    shift 2
+    if [ "$dry_run" = 1 ]; then
+        run cd /
+        run "$@"
+    elif ! (cd / && "$@"); then
+        if [ "$mode" = image ]; then
+            echo "setup.sh: $what did not build (see the output above)" >&2
+            exit 1
+        fi
+        echo "setup.sh: warning: $what did not build; $fallback (see the output above)" >&2
     fi
-    echo "setup.sh: warning: block_service._stepwire did not build; Steps take the Python path" >&2
-fi
+}
 
-# Build the CPU attention kernel now (about 30 s), not on the first request. Run from / so
-# that the installed package is the one imported (in image mode the source tree is not it).
-# Without a C++ compiler a developer gets a warning and the torch path at run time; an image
-# must carry the kernel.
-kernel=("$py" -c "import sys; from gpu_runner import cpu_kernels; sys.exit(0 if cpu_kernels.available() else 1)")
-if [ "$dry_run" = 1 ]; then
-    run cd /
-    run "${kernel[@]}"
-elif ! (cd / && "${kernel[@]}"); then
-    if [ "$mode" = image ]; then
-        echo "setup.sh: the CPU kernel did not build (see the warning above)" >&2
-        exit 1
-    fi
-    echo "setup.sh: warning: no CPU kernel; the torch path will run (see the warning above)" >&2
-fi
+# The block service's compiled Step (setup.py builds it with the project, as optional).
+check_built "block_service._stepwire" "Steps take the Python path" \
+    "$py" -c "import block_service._stepwire"
+# The CPU attention kernel (about 30 s).
+check_built "the CPU kernel" "the torch path will run" \
+    "$py" -c "import sys; from gpu_runner import cpu_kernels; sys.exit(0 if cpu_kernels.available() else 1)"
