@@ -353,6 +353,25 @@ def test_expired_session_stays_expired_after_replay(directory):
 POOL = "runner-0"
 
 
+def start_decoding(stub: block_pb2_grpc.BlockServiceStub, num_seqs: int
+                   ) -> tuple[str, list[int], dict[int, list[int]]]:
+    """A pool with room for num_seqs sequences of 4,096 tokens (far more steps than a test
+    makes), a session, and a Step allocating num_seqs 3-token prompts; returns the session,
+    the seq ids and the client's copy of their tables."""
+    stub.CreatePool(block_pb2.CreatePoolRequest(pool_id=POOL, num_blocks=num_seqs * 1024,
+                                                block_size=4, epoch=3))
+    session = stub.OpenSession(block_pb2.OpenSessionRequest(client_name="gw")).session_id
+    seq_ids = list(range(1, num_seqs + 1))
+    prompt_step = block_pb2.StepRequest(
+        session_id=session, pool_id=POOL, step_id=1, epoch=3,
+        op_kinds=[block_pb2.OP_KIND_ALLOCATE] * num_seqs, seq_ids=seq_ids,
+        token_counts=[3] * num_seqs, token_ids=[5, 6, 7] * num_seqs,
+        parent_seq_ids=[0] * num_seqs, num_computed_tokens=[-1] * num_seqs)
+    tables: dict[int, list[int]] = {}
+    table_after(tables, stub.Step(prompt_step), seq_ids)
+    return session, seq_ids, tables
+
+
 def table_after(tables: dict[int, list[int]], response: block_pb2.StepResponse,
                 seq_ids: list[int]) -> None:
     """Applies a StepResponse's table changes to the client's copy of the tables."""
@@ -448,18 +467,7 @@ def test_step_in_flight_at_the_kill_is_applied_once_when_retried(tmp_path):
     try:
         channel = grpc.insecure_channel(service.address)
         stub = block_pb2_grpc.BlockServiceStub(channel)
-        # Room for 32 sequences of 4,096 tokens: far more steps than fit before the kill.
-        stub.CreatePool(block_pb2.CreatePoolRequest(pool_id=POOL, num_blocks=32 * 1024,
-                                                    block_size=4, epoch=3))
-        session = stub.OpenSession(block_pb2.OpenSessionRequest(client_name="gw")).session_id
-        seq_ids = list(range(1, 33))
-        prompt_step = block_pb2.StepRequest(
-            session_id=session, pool_id=POOL, step_id=1, epoch=3,
-            op_kinds=[block_pb2.OP_KIND_ALLOCATE] * 32, seq_ids=seq_ids,
-            token_counts=[3] * 32, token_ids=[5, 6, 7] * 32, parent_seq_ids=[0] * 32,
-            num_computed_tokens=[-1] * 32)
-        tables: dict[int, list[int]] = {}
-        table_after(tables, stub.Step(prompt_step), seq_ids)
+        session, seq_ids, tables = start_decoding(stub, 32)
         lengths = dict.fromkeys(seq_ids, 3)
         state = {"step_id": 1, "stop": False}
 

@@ -55,6 +55,7 @@ from .test_journal import (
     grow,
     make_core,
     reopened,
+    start_decoding,
     table_after,
 )
 
@@ -420,17 +421,7 @@ def test_process_killed_while_snapshot_children_run_restarts_exactly(tmp_path):
     try:
         channel = grpc.insecure_channel(service.address)
         stub = block_pb2_grpc.BlockServiceStub(channel)
-        stub.CreatePool(block_pb2.CreatePoolRequest(pool_id=POOL, num_blocks=32 * 1024,
-                                                    block_size=4, epoch=3))
-        session = stub.OpenSession(block_pb2.OpenSessionRequest(client_name="gw")).session_id
-        seq_ids = list(range(1, 17))
-        prompt_step = block_pb2.StepRequest(
-            session_id=session, pool_id=POOL, step_id=1, epoch=3,
-            op_kinds=[block_pb2.OP_KIND_ALLOCATE] * 16, seq_ids=seq_ids,
-            token_counts=[3] * 16, token_ids=[5, 6, 7] * 16, parent_seq_ids=[0] * 16,
-            num_computed_tokens=[-1] * 16)
-        tables: dict[int, list[int]] = {}
-        table_after(tables, stub.Step(prompt_step), seq_ids)
+        session, seq_ids, tables = start_decoding(stub, 16)
         client = DecodingClient(session, tables, dict.fromkeys(seq_ids, 3))
         for _ in range(3):
             stop = threading.Event()
