@@ -1,8 +1,9 @@
 """SubscribeKvEvents: a pool's KV events as a server stream (a mixin of BlockServicer).
 
-An open stream holds one server thread for as long as it lives, like a StepStream, so both
-take their thread from the same budget (BlockServicer's stream slots: --max-workers less the
-threads kept for unary calls); a subscription past it is refused with RESOURCE_EXHAUSTED. A
+An open stream holds one server thread for as long as it lives, so it takes its thread from
+BlockServicer's stream slots (--max-workers less the threads kept for unary calls; on the
+threaded server StepStreams take theirs from the same budget, on the grpc.aio one they hold
+none); a subscription past it is refused with RESOURCE_EXHAUSTED. A
 stream waiting for events checks every POLL_S whether its call is still active, and is woken
 at once when the client cancels, so a client that went away, or a server that stops, frees
 the thread.

@@ -31,7 +31,7 @@ def test_quickest_run_of_both_servers_counts_steps_and_finds_every_answer_valid(
     done = subprocess.run(
         [sys.executable, "bench/control_plane.py", "--loops", "4", "--sweep-loops", "",
          "--floor-loops", "2", "--journal", "both", "--snapshot-every-records", "50",
-         "--warm-s", "0.3", "--measure-s", "1", "--profile-steps", "20",
+         "--warm-s", "0.3", "--measure-s", "0.8", "--profile-steps", "20", "--routes", "20",
          "--settle-max-s", "0", "--results", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -51,6 +51,9 @@ def test_quickest_run_of_both_servers_counts_steps_and_finds_every_answer_valid(
     assert set(data["profile"]) == {"compiled", "compiled, journal", "Python",
                                     "Python, journal"}
     assert data["profile"]["compiled"]["steps"] == 20
+    assert [row["server"] for row in data["routes"]] == list(SERVERS)
+    assert all(row["cpu_us_per_route"] > 0 and row["last_cached_tokens"] > 0
+               for row in data["routes"])
     text = (tmp_path / "control_plane.md").read_text()
     assert "Against the target" in text and "aio + compiled against threads + Python" in text
 
