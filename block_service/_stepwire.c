@@ -82,6 +82,18 @@ static int read_varint(const uint8_t **at, const uint8_t *end, uint64_t *out) {
     return 0;
 }
 
+/* A field's tag: 1 read; 0 where protobuf would refuse it (longer than 5 bytes, or past
+ * 32 bits: its field number would be cut short). */
+static int read_tag(const uint8_t **at, const uint8_t *end, unsigned *field,
+                    unsigned *wire_type) {
+    const uint8_t *start = *at;
+    uint64_t tag;
+    if (!read_varint(at, end, &tag) || *at - start > 5 || tag > UINT32_MAX) return 0;
+    *field = (unsigned)(tag >> 3);
+    *wire_type = (unsigned)(tag & 7);
+    return 1;
+}
+
 /* Skips an unknown field's value; 0 for groups and anything malformed. */
 static int skip_field(const uint8_t **at, const uint8_t *end, unsigned wire_type) {
     uint64_t length;
@@ -130,9 +142,8 @@ static int parse_salt(const uint8_t *at, const uint8_t *end, PyObject *salts) {
     const uint8_t *value_start = at;
     Py_ssize_t value_size = 0;
     while (at < end) {
-        uint64_t tag;
-        if (!read_varint(&at, end, &tag)) return 0;
-        unsigned field = (unsigned)(tag >> 3), wire_type = (unsigned)(tag & 7);
+        unsigned field, wire_type;
+        if (!read_tag(&at, end, &field, &wire_type)) return 0;
         if (field == 1 && wire_type == 0) {
             if (!read_varint(&at, end, &key)) return 0;
         } else if (field == 2 && wire_type == 2) {
@@ -160,12 +171,11 @@ typedef struct {
 static int parse_fields(const uint8_t *at, const uint8_t *end, Header *header, Parsed *parsed,
                         PyObject *salts) {
     while (at < end) {
-        uint64_t tag, value;
+        uint64_t value;
         const uint8_t *start;
         Py_ssize_t size;
-        if (!read_varint(&at, end, &tag)) return 0;
-        unsigned field = (unsigned)(tag >> 3), wire_type = (unsigned)(tag & 7);
-        if (field == 0) return 0;
+        unsigned field, wire_type;
+        if (!read_tag(&at, end, &field, &wire_type) || field == 0) return 0;
         if (field == 1 || field == 2) {
             if (wire_type != 2 || !read_bytes(&at, end, &start, &size)) return 0;
             PyObject *text = decode_text(start, size);
@@ -415,16 +425,10 @@ typedef struct {
     long long shift, capacity;
 } Pool;
 
-static int fast_append(const Pool *pool, PyObject *seq, long long token, long long lookahead,
-                       long long num_computed, Answer *a, Py_ssize_t i,
-                       long long *computed_here) {
-    if (!has_layout(seq)) return 0;
-    PyObject *tokens = slot_value(seq, layout.tokens);
-    PyObject *table = slot_value(seq, layout.block_table);
-    PyObject *seq_computed_object = slot_value(seq, layout.num_computed);
-    if (tokens == NULL || table == NULL || seq_computed_object == NULL
-        || !PyList_CheckExact(tokens) || !PyList_CheckExact(table))
-        return 0;
+static int append_to(const Pool *pool, PyObject *seq, PyObject *tokens, PyObject *table,
+                     PyObject *seq_computed_object, long long token, long long lookahead,
+                     long long num_computed, Answer *a, Py_ssize_t i,
+                     long long *computed_here) {
     Py_ssize_t position = PyList_GET_SIZE(tokens);
     if (position == 0) return 0;
     long long last_token = PyLong_AsLongLong(PyList_GET_ITEM(tokens, position - 1));
@@ -495,6 +499,29 @@ static int fast_append(const Pool *pool, PyObject *seq, long long token, long lo
     a->starts.values[i] = (uint64_t)table_size;
     if (column_push(&a->slots, (uint64_t)((block << pool->shift) | column)) < 0) return -1;
     return 1;
+}
+
+static int fast_append(const Pool *pool, PyObject *seq, long long token, long long lookahead,
+                       long long num_computed, Answer *a, Py_ssize_t i,
+                       long long *computed_here) {
+    if (!has_layout(seq)) return 0;
+    PyObject *tokens = slot_value(seq, layout.tokens);
+    PyObject *table = slot_value(seq, layout.block_table);
+    PyObject *seq_computed_object = slot_value(seq, layout.num_computed);
+    if (tokens == NULL || table == NULL || seq_computed_object == NULL
+        || !PyList_CheckExact(tokens) || !PyList_CheckExact(table))
+        return 0;
+    /* Held while Python code runs in between (num_free, set_computed, take): code that
+     * rebound these slots would otherwise free what the append goes on to use. */
+    Py_INCREF(tokens);
+    Py_INCREF(table);
+    Py_INCREF(seq_computed_object);
+    int done = append_to(pool, seq, tokens, table, seq_computed_object, token, lookahead,
+                         num_computed, a, i, computed_here);
+    Py_DECREF(seq_computed_object);
+    Py_DECREF(table);
+    Py_DECREF(tokens);
+    return done;
 }
 
 /* An operation through `slow` (apply_op); its OpResult into the answer. 0 ok, -1 error. */

@@ -16,7 +16,10 @@ Differential tests, each counting how many of its inputs reached the code under 
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import count
@@ -378,8 +381,14 @@ def broken(rng: random.Random, data: bytes) -> bytes:
         return data + varint((3 << 3) | 2) + varint(1) + b"\x01"  # a scalar with a wrong type
     if roll < 0.7:
         return data + varint((5 << 3) | 3)  # a group
-    if roll < 0.8:
+    if roll < 0.75:
         return data + b"\xff" * 11  # a varint too long
+    if roll < 0.8:  # a tag protobuf refuses: a field number past 32 bits, or 6 bytes long
+        tag = rng.choice([varint(((1 << 32) + 1) << 3 | 2), b"\x8a\x80\x80\x80\x80\x00"])
+        if rng.random() < 0.5:  # inside a cache_salts entry: its key's tag 6 bytes long
+            entry = b"\x88\x80\x80\x80\x80\x00" + b"\x01" + b"\x12\x01a"
+            return data + varint(11 << 3 | 2) + varint(len(entry)) + entry
+        return data + tag + b"\x01x"
     mutated = bytearray(data or b"\x00")
     for _ in range(rng.randrange(1, 4)):
         mutated[rng.randrange(len(mutated))] = rng.randrange(256)
@@ -456,3 +465,33 @@ def test_the_c_reader_reads_as_protobuf_does() -> None:
     assert tally["valid, read by C"] > 1500, tally
     assert tally["operations read back"] > 500, tally
     assert tally["broken, refused"] > 300, tally
+
+
+SLOTS_REBOUND = """
+import sys
+from block_service import _stepwire
+from block_service.sequence import Sequence
+from protos import block_pb2
+
+seq = Sequence([5, 6, 7, 8], [3], 0, [], bytes(16))
+request = block_pb2.StepRequest(op_kinds=[2], seq_ids=[1], token_counts=[1], token_ids=[9],
+                                parent_seq_ids=[0], num_computed_tokens=[4])
+
+def set_computed(s, n):  # rebinds the slots the append goes on to use
+    s.tokens, s.block_table, s.num_computed = [0] * 5, [0] * 2, n
+
+parsed = _stepwire.parse(request.SerializeToString())[-1]
+answer, fast, _ = _stepwire.run(parsed, {1: seq}, [1] * 8, lambda: 4, lambda: 1, set_computed,
+                                2, 8, None, 1, 1)
+assert fast == 1 and block_pb2.StepResponse.FromString(answer).slot_mapping == [16]
+"""
+
+
+def test_the_compiled_append_holds_what_python_code_could_free_meanwhile() -> None:
+    # set_computed and take are Python code that runs in the middle of an append; were the
+    # sequence's lists only borrowed there, rebinding them would free what the append then
+    # writes. The allocator's debug hooks (PYTHONMALLOC=debug) make such a write crash.
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", SLOTS_REBOUND],
+                          env={**os.environ, "PYTHONMALLOC": "debug"}, capture_output=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:].decode(errors="replace")
