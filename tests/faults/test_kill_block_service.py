@@ -51,7 +51,9 @@ def test_block_service_killed_mid_generation_streams_complete_exactly(stack: Sta
     assert restored.free_blocks + restored.used_blocks == restored.total_blocks
     records = batch.join()
 
-    assert max(progress_at_kill) < MAX_TOKENS, "the kill must land mid-generation"
+    # Mid-generation for the streams still running (the first ones may have finished before
+    # the last one had 4 tokens: the streams are admitted in waves, and steps got faster).
+    assert min(progress_at_kill) < MAX_TOKENS, "the kill must land mid-generation"
     assert_all_exact(records, reference)
     stats = stack.wait_idle()
     assert stats.used_blocks == 0 and stats.total_refs == 0 and stats.num_sequences == 0
