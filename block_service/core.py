@@ -587,15 +587,14 @@ class BlockServiceCore:
             (len(kinds), len(seq_ids), len(token_counts), len(token_ids), len(parent_ids),
              len(computed), len(lookaheads)), sum(token_counts), salts)
         with self._lock:
-            kept = self._begin_step(session_id, pool_id, step_id, epoch)
+            session, kept = self._begin_step(session_id, pool_id, step_id, epoch)
             if kept is not None:
                 return answer_result(kept)
             args = (session_id, pool_id, step_id, kinds, seq_ids, token_counts, token_ids,
                     parent_ids, computed, salts, lookaheads)
             result = self._apply_step(*args)
             self._record(REC_STEP, args)
-            self.registry.report(session_id, self.sessions.find(session_id).client_name,
-                                 pool_id, num_waiting_tokens)
+            self.registry.report(session_id, session.client_name, pool_id, num_waiting_tokens)
             return result
 
     def step_wire(self, data: bytes) -> bytes:
@@ -604,25 +603,25 @@ class BlockServiceCore:
         wire = parse_step(data, self.compiled_steps)
         self._check_shape(wire.lengths, wire.token_sum, wire.salts)
         with self._lock:
-            kept = self._begin_step(wire.session_id, wire.pool_id, wire.step_id, wire.epoch)
+            session, kept = self._begin_step(wire.session_id, wire.pool_id, wire.step_id,
+                                             wire.epoch)
             if kept is not None:
                 return answer_bytes(kept)
             answer = self._apply_wire(wire)
             # The request's own bytes: cheaper to journal than its columns, and replayed by
             # the same code.
             self._record(REC_STEP_WIRE, (data,))
-            self.registry.report(wire.session_id,
-                                 self.sessions.find(wire.session_id).client_name,
-                                 wire.pool_id, wire.num_waiting_tokens)
+            self.registry.report(wire.session_id, session.client_name, wire.pool_id,
+                                 wire.num_waiting_tokens)
             return answer
 
     def _begin_step(self, session_id: str, pool_id: str, step_id: int,
-                    epoch: int) -> StepResult | bytes | None:
-        """Checks a Step against its session and pool (under the lock): the kept answer of a
-        retried step_id, or None for a new step."""
+                    epoch: int) -> tuple[Session, StepResult | bytes | None]:
+        """Checks a Step against its session and pool (under the lock): the session, and the
+        kept answer of a retried step_id (None for a new step)."""
         session = self._live_session(session_id)
         if step_id == session.last_step_id and session.last_step is not None:
-            return session.last_step
+            return session, session.last_step
         if step_id < session.last_step_id:
             raise BlockServiceError(
                 ErrorCode.FAILED_PRECONDITION,
@@ -632,7 +631,7 @@ class BlockServiceCore:
             raise BlockServiceError(
                 ErrorCode.FAILED_PRECONDITION,
                 f"step built for epoch {epoch}; pool {pool_id!r} is at epoch {pm.epoch}")
-        return None
+        return session, None
 
     def _apply_wire(self, wire: WireStep) -> bytes:
         """A checked Step in wire form; its answer bytes are kept for a retry."""
