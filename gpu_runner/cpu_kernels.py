@@ -115,7 +115,7 @@ def _build() -> ModuleType:
     return cpp_extension.load(
         name=name,
         sources=[str(source) for source in _SOURCES],
-        extra_cflags=["-O3", f"-march={_march()}", "-fopenmp"],
+        extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", "-Wno-psabi"],
         extra_ldflags=_LDFLAGS,
         verbose=False,
     )

@@ -290,6 +290,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
+#if defined(__AVX512BF16__)
+  // Only built where the pairs' tiles exist (they need VDPBF16PS): elsewhere holds_pairs is
+  // always false, and an instantiation of multiply for pairs would find no tile to call.
   if (holds_pairs(type)) {
     // x as pairs of k (one uint32 each), zero-padded to an even K: a few rows, copied once.
     at::Tensor padded = at::zeros({M, 2 * steps}, x.options());
@@ -298,7 +301,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
              panels.data_ptr<c10::BFloat16>(), P,
              has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
              y.data_ptr<c10::BFloat16>(), N);
-  } else if (type == at::kBFloat16) {
+    return y;
+  }
+#endif
+  if (type == at::kBFloat16) {
     // x widened once (a few rows): the tiles then read float32 like the float32 path.
     const at::Tensor x32 = x.to(at::kFloat);
     multiply(x32.data_ptr<float>(), M, K, panels.data_ptr<c10::BFloat16>(), P,
