@@ -13,6 +13,7 @@ import torch
 
 from gpu_runner import penalties
 from gpu_runner.attention.metadata import AttentionMetadata
+from gpu_runner.masks import check_masks
 from gpu_runner.merging import BatchError  # torch-free, for the runners that import no torch
 from gpu_runner.sampler import SamplingTensors
 from protos import runner_pb2
@@ -57,6 +58,11 @@ class ExecuteBatch:
     logit_bias_counts: np.ndarray = field(default_factory=_ints)
     logit_bias_token_ids: np.ndarray = field(default_factory=_ints)
     logit_bias_values: np.ndarray = field(default_factory=_floats)
+    # Structured output: the sequences whose next token is masked, and their packed masks
+    # (empty with masks_follow: they come in a SupplyMasks call; gpu_runner/masks.py).
+    mask_seq_indices: np.ndarray = field(default_factory=_ints)
+    masks: bytes = b""
+    masks_follow: bool = False
     epoch: int = 0
     client_id: str = ""
     step_id: int = 0
@@ -90,6 +96,9 @@ class ExecuteBatch:
             logit_bias_counts=_ints(r.logit_bias_counts),
             logit_bias_token_ids=_ints(r.logit_bias_token_ids),
             logit_bias_values=_floats(r.logit_bias_values),
+            mask_seq_indices=_ints(r.mask_seq_indices),
+            masks=bytes(r.masks),
+            masks_follow=bool(r.masks_follow),
             epoch=int(r.epoch),
             client_id=str(r.client_id),
             step_id=int(r.step_id),
@@ -130,6 +139,7 @@ def validate_batch(batch: ExecuteBatch, limits: BatchLimits) -> None:
     _check_slots_match_tables(batch, limits.block_size)
     _check_sampling(batch)
     _check_penalties(batch, limits.vocab_size)
+    _check_masks(batch, limits.vocab_size)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -240,6 +250,29 @@ def _check_sampling(b: ExecuteBatch) -> None:
         bad = np.nonzero(~ok)[0]
         _require(bad.size == 0, _first_bad(
             bad, lambda i, n=name, v=values, r=rule: f"{n}[{i}] = {v[i]} must be {r}"))
+
+
+def _check_masks(b: ExecuteBatch, vocab_size: int) -> None:
+    """Masked sequences: distinct, sampled; their masks inline (one row each) or following."""
+    indices = b.mask_seq_indices
+    if not indices.size:
+        _require(not b.masks and not b.masks_follow,
+                 "masks / masks_follow without mask_seq_indices")
+        return
+    _check_range("mask_seq_indices", indices, b.num_seqs)
+    _require(np.unique(indices).shape[0] == indices.shape[0],
+             "mask_seq_indices names a sequence twice")
+    unsampled = np.nonzero(~b.do_sample[indices])[0]
+    _require(unsampled.size == 0, _first_bad(
+        unsampled, lambda j: f"mask_seq_indices[{j}] = {indices[j]} names a sequence without "
+                             "do_sample"))
+    if b.masks_follow:
+        _require(not b.masks, "masks_follow with inline masks: send one or the other")
+        return
+    try:
+        check_masks(b.masks, indices.shape[0], vocab_size)
+    except ValueError as error:
+        raise BatchError(str(error)) from None
 
 
 def _check_penalties(b: ExecuteBatch, vocab_size: int) -> None:

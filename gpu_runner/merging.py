@@ -57,6 +57,17 @@ class BatchError(ValueError):
     """A malformed batch (INVALID_ARGUMENT); the message says which column and why."""
 
 
+class PartialFailure(Exception):
+    """A merged forward ran, but some of its batches failed (their masks did not come): the
+    others get their rows of `answer`, batch i (in the merge's order) gets failed[i]."""
+
+    def __init__(self, answer: runner_pb2.ExecuteResponse,
+                 failed: dict[int, BaseException]) -> None:
+        super().__init__(f"{len(failed)} batch(es) of the forward failed")
+        self.answer = answer
+        self.failed = failed
+
+
 class RetryCache:
     """The last answer per client, so that a retried step is not executed twice (and the
     next step can take its pending tokens from it)."""
@@ -134,7 +145,22 @@ def merge_requests(requests: list[runner_pb2.ExecuteRequest]) -> runner_pb2.Exec
         for request in requests:
             own = getattr(request, name)
             column.extend(own if len(own) else [neutral] * len(request.num_new_tokens))
+    _merge_masks(merged, requests)
     return merged
+
+
+def _merge_masks(merged: runner_pb2.ExecuteRequest,
+                 requests: list[runner_pb2.ExecuteRequest]) -> None:
+    """Masked sequences renumbered into the merged batch; the masks inline when every batch
+    sent them inline, else all gathered after the forward (the servicer's job)."""
+    offset = 0
+    for request in requests:
+        merged.mask_seq_indices.extend(i + offset for i in request.mask_seq_indices)
+        offset += len(request.num_new_tokens)
+    if any(request.masks_follow for request in requests):
+        merged.masks_follow = True
+    else:
+        merged.masks = b"".join(request.masks for request in requests)
 
 
 def split_response(answer: runner_pb2.ExecuteResponse,
@@ -169,7 +195,10 @@ def split_response(answer: runner_pb2.ExecuteResponse,
 # Called in a batch's turn before it runs, on the request with its pending tokens filled in:
 # raises for a batch that must not run (malformed: BatchError; its caller gone).
 Check = Callable[[runner_pb2.ExecuteRequest], None]
-Forward = Callable[[runner_pb2.ExecuteRequest], runner_pb2.ExecuteResponse]
+# Runs the merged batch; also given the batches it merges, in order. Raises PartialFailure
+# when some of them failed and the others have their answer.
+Forward = Callable[[runner_pb2.ExecuteRequest, list[runner_pb2.ExecuteRequest]],
+                   runner_pb2.ExecuteResponse]
 
 
 @dataclass
@@ -286,13 +315,21 @@ class BatchMerger:
         running = [job for job in jobs if self._ready(job)]
         if running:
             requests = [job.request for job in running]
+            failed: dict[int, BaseException] = {}
             try:
-                answers = split_response(forward(merge_requests(requests)), requests)
+                try:
+                    merged_answer = forward(merge_requests(requests), requests)
+                except PartialFailure as partial:
+                    merged_answer, failed = partial.answer, partial.failed
+                answers = split_response(merged_answer, requests)
             except BaseException as error:  # the forward failed: every batch in it did
                 for job in running:
                     job.error = error
             else:
-                for job, answer in zip(running, answers, strict=True):
+                for i, (job, answer) in enumerate(zip(running, answers, strict=True)):
+                    if i in failed:
+                        job.error = failed[i]
+                        continue
                     job.answer = answer
                     self.retries.store(job.request.client_id, job.request.step_id, answer)
             self.forwards += 1

@@ -55,8 +55,9 @@ from gpu_runner.layers.linear import (
     resolve_linear_backend,
 )
 from gpu_runner.loader import load_model
+from gpu_runner.masks import unpack_masks
 from gpu_runner.models.llama import LlamaForCausalLM
-from gpu_runner.sampler import SamplerOutput, sample
+from gpu_runner.sampler import SamplerOutput, TokenMasks, sample
 
 log = logging.getLogger(__name__)
 
@@ -320,15 +321,18 @@ class ModelRunner:
 
     # ---- batches ----
 
-    def execute(self, batch: ExecuteBatch) -> ExecuteResult:
+    def execute(self, batch: ExecuteBatch,
+                late_masks: Callable[[], bytes] | None = None) -> ExecuteResult:
         """Validates (BatchError, cache untouched), copies, runs the forward, samples.
-        With tensor parallelism the workers run the same forward on their shards."""
+        With tensor parallelism the workers run the same forward on their shards.
+        `late_masks` gives a masks_follow batch's masks once the forward is done."""
         self._check_workers()
         validate_batch(batch, self.limits)
         self._send_to_workers("execute", batch)
-        return self._execute_local(batch)
+        return self._execute_local(batch, late_masks)
 
-    def _execute_local(self, batch: ExecuteBatch) -> ExecuteResult:
+    def _execute_local(self, batch: ExecuteBatch,
+                       late_masks: Callable[[], bytes] | None = None) -> ExecuteResult:
         start = time.perf_counter()
         inputs = build_inputs(batch, self.block_size, self.device)
         with torch.inference_mode():
@@ -338,10 +342,30 @@ class ModelRunner:
             else:
                 logits = self.model(inputs.token_ids, self.kv_cache, inputs.meta)
             forward_done = time.perf_counter()
-            output = sample(logits, inputs.sampling) if inputs.sampling is not None else None
+            output = None
+            if inputs.sampling is not None:
+                inputs.sampling.masks = self._token_masks(batch, late_masks)
+                output = sample(logits, inputs.sampling)
         sample_done = time.perf_counter()
         counts = inputs.sampling.num_logprobs if inputs.sampling is not None else None
         return _result(output, counts, forward_done - start, sample_done - forward_done)
+
+    def _token_masks(self, batch: ExecuteBatch, late_masks: Callable[[], bytes] | None
+                     ) -> TokenMasks | None:
+        """The batch's masks (structured output) as rows of its sampled rows. A worker of a
+        tensor-parallel group has no late masks: its samples are not used."""
+        if not batch.mask_seq_indices.size:
+            return None
+        if batch.masks_follow:
+            if late_masks is None:
+                return None
+            data = late_masks()
+        else:
+            data = batch.masks
+        sampled_row = np.cumsum(batch.do_sample) - 1
+        rows = sampled_row[batch.mask_seq_indices]
+        return TokenMasks(torch.from_numpy(rows).to(self.device),
+                          unpack_masks(data, rows.shape[0], self.limits.vocab_size, self.device))
 
     def forward_logits(self, batch: ExecuteBatch) -> torch.Tensor:
         """Like execute but returns the logits of the sampling positions (tests, debugging)."""

@@ -81,6 +81,8 @@ visible. Parameter validation is the caller's job.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +126,15 @@ class SamplingTensors:
     positions: torch.Tensor  # int64: position of the token being sampled
     num_logprobs: torch.Tensor | None  # int64, None = no logprobs for any row
     penalties: PenaltyTensors | None = None  # None = no row has a bias or a penalty
+    masks: TokenMasks | None = None  # None = no row is masked
+
+
+@dataclass
+class TokenMasks:
+    """Structured output: the rows whose token must be one their mask allows."""
+
+    rows: torch.Tensor  # int64 [m]: indices into the sampled rows
+    allowed: torch.Tensor  # bool [m, vocab]
 
 
 @dataclass
@@ -167,14 +178,35 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         seeds=params.seeds.to(device, torch.int64),
         positions=params.positions.to(device, torch.int64),
     )
-    if params.penalties is None:
-        token_ids = _sample_tokens(logits, row_params)
-    else:  # the rows with a bias or a penalty processed in place, then restored
-        with penalised(logits, params.penalties):
+    with masked(logits, params.masks):
+        if params.penalties is None:
             token_ids = _sample_tokens(logits, row_params)
+        else:  # the rows with a bias or a penalty processed in place, then restored
+            with penalised(logits, params.penalties):
+                token_ids = _sample_tokens(logits, row_params)
     if params.num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     return _with_logprobs(logits, token_ids, params.num_logprobs.to(device, torch.int64))
+
+
+@contextmanager
+def masked(logits: torch.Tensor, masks: TokenMasks | None) -> Iterator[None]:
+    """Within the block, the masked rows of ``logits`` hold -inf at every token their mask
+    does not allow (before the bias and the penalties, which keep -inf as it is); on leaving,
+    those rows get their raw values back, which logprobs are computed from."""
+    if masks is None:
+        yield
+        return
+    rows = masks.rows.to(logits.device)
+    raw = logits.index_select(0, rows)
+    allowed = masks.allowed.to(logits.device)
+    # A row that allows nothing is left unmasked rather than sampled from nothing.
+    allowed = allowed | ~allowed.any(dim=1, keepdim=True)
+    logits.index_copy_(0, rows, raw.masked_fill(~allowed, _NEG_INF))
+    try:
+        yield
+    finally:
+        logits.index_copy_(0, rows, raw)
 
 
 def _sample_tokens(logits: torch.Tensor, params: _RowParams) -> torch.Tensor:

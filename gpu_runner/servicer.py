@@ -31,7 +31,8 @@ import numpy as np
 from common.handlers import lenient_handlers
 from gpu_runner.batch import ExecuteBatch, validate_batch
 from gpu_runner.distributed import WorkerLostError
-from gpu_runner.merging import BatchError, BatchMerger, PendingStepError
+from gpu_runner.masks import MaskBoard, MissingMasks, check_masks, words_per_row
+from gpu_runner.merging import BatchError, BatchMerger, PartialFailure, PendingStepError
 from gpu_runner.recorder import BatchRecorder
 from gpu_runner.runner import ExecuteResult, ModelRunner
 from protos import runner_pb2, runner_pb2_grpc
@@ -47,6 +48,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                  recorder: BatchRecorder | None = None) -> None:
         self._runner = runner
         self._merger = BatchMerger()
+        self._masks = MaskBoard()
         self._recorder = recorder
         self._forward_thread = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="runner-forward")
@@ -94,11 +96,12 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                 f"batch built for epoch {request.epoch}, the runner's is {runner.epoch} "
                 "(its KV cache was lost: rebuild the sequences)",
             )
-        if request.after_step_id and not request.client_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_step_id needs a client_id")
+        if (request.after_step_id or request.masks_follow) and not request.client_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "after_step_id and masks_follow need a client_id")
         try:
             answer = self._merger.run(request, lambda own: self._check(runner, own, context),
-                                      lambda merged: self._forward(runner, merged))
+                                      lambda merged, parts: self._forward(runner, merged, parts))
         except PendingStepError as error:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except BatchError as error:
@@ -123,12 +126,49 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             raise _CallEnded()  # the caller gave up (deadline or cancel) while waiting
         validate_batch(ExecuteBatch.from_proto(request), runner.limits)
 
-    def _forward(self, runner: ModelRunner, merged: runner_pb2.ExecuteRequest
-                 ) -> runner_pb2.ExecuteResponse:
+    def SupplyMasks(self, request: runner_pb2.SupplyMasksRequest,
+                    context: grpc.ServicerContext) -> runner_pb2.SupplyMasksResponse:
+        if not request.client_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "SupplyMasks needs a client_id")
+        self._masks.put(request.client_id, request.step_id, request.masks)
+        return runner_pb2.SupplyMasksResponse()
+
+    def _forward(self, runner: ModelRunner, merged: runner_pb2.ExecuteRequest,
+                 parts: list[runner_pb2.ExecuteRequest]) -> runner_pb2.ExecuteResponse:
         started = time.perf_counter()
-        result = self._forward_thread.submit(runner.execute,
-                                             ExecuteBatch.from_proto(merged)).result()
-        return to_response(result, runner.epoch, started)
+        failed: dict[int, BaseException] = {}
+
+        def late_masks() -> bytes:
+            return self._gather_masks(parts, runner.limits.vocab_size, failed)
+
+        result = self._forward_thread.submit(runner.execute, ExecuteBatch.from_proto(merged),
+                                             late_masks if merged.masks_follow else None
+                                             ).result()
+        answer = to_response(result, runner.epoch, started)
+        if failed:
+            raise PartialFailure(answer, failed)
+        return answer
+
+    def _gather_masks(self, parts: list[runner_pb2.ExecuteRequest], vocab_size: int,
+                      failed: dict[int, BaseException]) -> bytes:
+        """The merged batch's masks in order, late ones from SupplyMasks. A batch whose masks
+        do not come (or do not fit) is sampled unmasked and fails alone (failed[i])."""
+        chunks = []
+        for i, part in enumerate(parts):
+            num_rows = len(part.mask_seq_indices)
+            if not num_rows:
+                continue
+            if not part.masks_follow:
+                chunks.append(part.masks)
+                continue
+            try:
+                data = self._masks.take(part.client_id, part.step_id)
+                check_masks(data, num_rows, vocab_size, f"the masks of step {part.step_id}")
+            except (MissingMasks, ValueError) as error:
+                failed[i] = PendingStepError(str(error))
+                data = b"\xff" * (num_rows * words_per_row(vocab_size) * 4)
+            chunks.append(data)
+        return b"".join(chunks)
 
 
 class _CallEnded(Exception):

@@ -39,7 +39,7 @@ class InfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., epoch: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("epoch", "client_id", "step_id", "copy_src_block_ids", "copy_dst_block_ids", "num_new_tokens", "start_positions", "token_ids", "slot_mapping", "block_table_lens", "block_tables", "do_sample", "temperatures", "top_ps", "top_ks", "min_ps", "seeds", "num_logprobs", "after_step_id", "pending_token_indices", "pending_sample_rows", "presence_penalties", "frequency_penalties", "repetition_penalties", "prompt_lens", "penalty_history_lens", "penalty_token_ids", "logit_bias_counts", "logit_bias_token_ids", "logit_bias_values")
+    __slots__ = ("epoch", "client_id", "step_id", "copy_src_block_ids", "copy_dst_block_ids", "num_new_tokens", "start_positions", "token_ids", "slot_mapping", "block_table_lens", "block_tables", "do_sample", "temperatures", "top_ps", "top_ks", "min_ps", "seeds", "num_logprobs", "after_step_id", "pending_token_indices", "pending_sample_rows", "presence_penalties", "frequency_penalties", "repetition_penalties", "prompt_lens", "penalty_history_lens", "penalty_token_ids", "logit_bias_counts", "logit_bias_token_ids", "logit_bias_values", "mask_seq_indices", "masks", "masks_follow")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,9 @@ class ExecuteRequest(_message.Message):
     LOGIT_BIAS_COUNTS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    MASK_SEQ_INDICES_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     client_id: str
     step_id: int
@@ -100,7 +103,24 @@ class ExecuteRequest(_message.Message):
     logit_bias_counts: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., step_id: _Optional[int] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., block_table_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., do_sample: _Optional[_Iterable[bool]] = ..., temperatures: _Optional[_Iterable[float]] = ..., top_ps: _Optional[_Iterable[float]] = ..., top_ks: _Optional[_Iterable[int]] = ..., min_ps: _Optional[_Iterable[float]] = ..., seeds: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ..., pending_token_indices: _Optional[_Iterable[int]] = ..., pending_sample_rows: _Optional[_Iterable[int]] = ..., presence_penalties: _Optional[_Iterable[float]] = ..., frequency_penalties: _Optional[_Iterable[float]] = ..., repetition_penalties: _Optional[_Iterable[float]] = ..., prompt_lens: _Optional[_Iterable[int]] = ..., penalty_history_lens: _Optional[_Iterable[int]] = ..., penalty_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_counts: _Optional[_Iterable[int]] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    mask_seq_indices: _containers.RepeatedScalarFieldContainer[int]
+    masks: bytes
+    masks_follow: bool
+    def __init__(self, epoch: _Optional[int] = ..., client_id: _Optional[str] = ..., step_id: _Optional[int] = ..., copy_src_block_ids: _Optional[_Iterable[int]] = ..., copy_dst_block_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., block_table_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., do_sample: _Optional[_Iterable[bool]] = ..., temperatures: _Optional[_Iterable[float]] = ..., top_ps: _Optional[_Iterable[float]] = ..., top_ks: _Optional[_Iterable[int]] = ..., min_ps: _Optional[_Iterable[float]] = ..., seeds: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ..., pending_token_indices: _Optional[_Iterable[int]] = ..., pending_sample_rows: _Optional[_Iterable[int]] = ..., presence_penalties: _Optional[_Iterable[float]] = ..., frequency_penalties: _Optional[_Iterable[float]] = ..., repetition_penalties: _Optional[_Iterable[float]] = ..., prompt_lens: _Optional[_Iterable[int]] = ..., penalty_history_lens: _Optional[_Iterable[int]] = ..., penalty_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_counts: _Optional[_Iterable[int]] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., mask_seq_indices: _Optional[_Iterable[int]] = ..., masks: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ...) -> None: ...
+
+class SupplyMasksRequest(_message.Message):
+    __slots__ = ("client_id", "step_id", "masks")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    step_id: int
+    masks: bytes
+    def __init__(self, client_id: _Optional[str] = ..., step_id: _Optional[int] = ..., masks: _Optional[bytes] = ...) -> None: ...
+
+class SupplyMasksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "top_counts", "top_token_ids", "top_logprobs", "epoch", "forward_ms", "sample_ms", "total_ms")

@@ -45,6 +45,11 @@ class RunnerServiceStub:
                 request_serializer=protos_dot_runner__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=protos_dot_runner__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.SupplyMasks = channel.unary_unary(
+                '/pagewire.runner.v1.RunnerService/SupplyMasks',
+                request_serializer=protos_dot_runner__pb2.SupplyMasksRequest.SerializeToString,
+                response_deserializer=protos_dot_runner__pb2.SupplyMasksResponse.FromString,
+                _registered_method=True)
 
 
 class RunnerServiceServicer:
@@ -65,6 +70,14 @@ class RunnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SupplyMasks(self, request, context):
+        """The token masks of a batch sent with masks_follow: they may come before or after its
+        Execute; the runner waits for them (after the forward) before sampling its rows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_RunnerServiceServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=protos_dot_runner__pb2.ExecuteRequest.FromString,
                     response_serializer=protos_dot_runner__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'SupplyMasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.SupplyMasks,
+                    request_deserializer=protos_dot_runner__pb2.SupplyMasksRequest.FromString,
+                    response_serializer=protos_dot_runner__pb2.SupplyMasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class RunnerService:
             '/pagewire.runner.v1.RunnerService/Execute',
             protos_dot_runner__pb2.ExecuteRequest.SerializeToString,
             protos_dot_runner__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SupplyMasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.runner.v1.RunnerService/SupplyMasks',
+            protos_dot_runner__pb2.SupplyMasksRequest.SerializeToString,
+            protos_dot_runner__pb2.SupplyMasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

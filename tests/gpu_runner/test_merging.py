@@ -41,8 +41,10 @@ def row_token(tokens: list[int], start: int, seed: int, temperature: float) -> i
     return (value + (seed if temperature > 0 else 0)) % VOCAB
 
 
-def fake_forward(request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
-    """Answers a batch row by row, logprobs and top entries where asked."""
+def fake_forward(request: runner_pb2.ExecuteRequest,
+                 parts: object = None) -> runner_pb2.ExecuteResponse:
+    """Answers a batch row by row, logprobs and top entries where asked (`parts`, the
+    batches merged, is not needed)."""
     answer = runner_pb2.ExecuteResponse(epoch=request.epoch, forward_ms=1.0)
     cursor = 0
     with_logprobs = len(request.num_logprobs) > 0
@@ -108,7 +110,8 @@ def test_a_merged_forward_answers_each_batch_as_its_own_forward_would() -> None:
     assert merged_optional > 30
 
 
-def slow_forward(request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+def slow_forward(request: runner_pb2.ExecuteRequest,
+                 parts: object = None) -> runner_pb2.ExecuteResponse:
     """fake_forward taking the time of a forward, during which other batches arrive."""
     time.sleep(0.003)
     return fake_forward(request)
@@ -175,7 +178,8 @@ def test_a_refused_batch_fails_alone_and_a_retry_gets_its_first_answer() -> None
     good, bad = random_request(rng, "good", 1), random_request(rng, "bad", 1)
     forwards: list[runner_pb2.ExecuteRequest] = []
 
-    def forward(request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+    def forward(request: runner_pb2.ExecuteRequest,
+                parts: object = None) -> runner_pb2.ExecuteResponse:
         forwards.append(request)
         return fake_forward(request)
 
@@ -202,7 +206,7 @@ def test_a_waiting_step_that_leads_others_forward_still_gets_its_own() -> None:
         merger = BatchMerger()
         hold = threading.Event()
 
-        def held(request: runner_pb2.ExecuteRequest,
+        def held(request: runner_pb2.ExecuteRequest, parts: object = None,
                  hold: threading.Event = hold) -> runner_pb2.ExecuteResponse:
             hold.wait(5)
             return fake_forward(request)
@@ -234,7 +238,7 @@ def test_a_step_whose_previous_one_never_comes_gives_up() -> None:
 
     def run(step: int, after: int) -> None:
         request = runner_pb2.ExecuteRequest(client_id="c", step_id=step, after_step_id=after)
-        merger.run(request, lambda _: None, lambda _: runner_pb2.ExecuteResponse())
+        merger.run(request, lambda _: None, lambda _, __: runner_pb2.ExecuteResponse())
 
     run(1, 0)
     with pytest.raises(PendingStepError, match="step 3 of client 'c' has not run"):
