@@ -8,14 +8,26 @@ by it. The engine's own refusal (a full queue: engine.AdmissionError) comes late
 
 from __future__ import annotations
 
+import json
+import threading
 import uuid
+from collections.abc import Sequence
 
 from gateway.config import GatewayConfig
 from gateway.delivery import MessageSink
 from gateway.engine import BackendInfo, Engine
+from gateway.grammar import (
+    CompiledFormat,
+    FormatCompiler,
+    FormatError,
+    FormatSpec,
+    LLGuidanceBackend,
+    format_spec,
+)
 from gateway.request import Request
 from gateway.sampling_defaults import GenerationConfigError, SamplingDefaults
-from gateway.tokenizer import CHAT_ROLES, ChatMessage, Tokenizer
+from gateway.tokenizer import CHAT_ROLES, ChatMessage, Tokenizer, ToolCall
+from gateway.tools import FunctionTool, ToolUse, check_tool_use
 from gateway.validation import (
     InvalidRequest,
     Limits,
@@ -43,6 +55,8 @@ class Admission:
         self.limits = _limits(engine.config, info)
         self.defaults = defaults or SamplingDefaults.none()
         self.served_model_name = served_model_name or info.model
+        self._formats: FormatCompiler | None = None
+        self._formats_lock = threading.Lock()
         try:  # the defaults alone must make a valid request
             sampling_config(self.defaults.apply(gateway_pb2.SamplingParams()), 0, self.limits, 0)
         except InvalidRequest as error:
@@ -62,12 +76,14 @@ class Admission:
         `default_max_tokens`. Unset sampling fields take the server's defaults. Tokenizing a
         long prompt takes a while: call it off the event loop."""
         check_identifiers(request.request_id, request.cache_salt)
+        tool_use = check_tool_use(request)
         if request.WhichOneof("input") == "prompt_token_ids":
             check_prompt_length(len(request.prompt_token_ids.token_ids), self.limits)
             prompt_ids = list(request.prompt_token_ids.token_ids)
         else:
-            prompt_ids = self.prompt_ids(request)
+            prompt_ids = self.prompt_ids(request, tool_use.tools if tool_use else ())
         check_prompt_ids(prompt_ids, self.limits)
+        output_format = self._output_format(request, tool_use)
         params = sampling_config(self.defaults.apply(request.sampling_params), len(prompt_ids),
                                  self.limits, self._engine.new_seed(),
                                  self.defaults.max_tokens or default_max_tokens)
@@ -87,11 +103,39 @@ class Admission:
             stream_interval=stream_interval(
                 request.stream_interval if request.HasField("stream_interval") else None,
                 self._engine.config.stream_interval),
+            output_format=output_format,
+            parses_tool_calls=tool_use is not None and tool_use.parses_calls,
         )
 
-    def prompt_ids(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest
-                   ) -> list[int]:
-        """Token ids of a text or chat prompt."""
+    def _output_format(self, request: gateway_pb2.GenerateRequest, tool_use: ToolUse | None
+                       ) -> CompiledFormat | None:
+        """The compiled format the outputs must follow: structured_output's, or the tool-call
+        grammar of tool_choice required or a named function (InvalidRequest naming the
+        field when it cannot be served)."""
+        try:
+            spec = format_spec(request.structured_output)
+            grammar = tool_use.grammar() if tool_use is not None else None
+            if grammar is not None:
+                spec = FormatSpec("tools", grammar, field="tools")
+            return self.formats.compile(spec) if spec is not None else None
+        except FormatError as error:
+            raise InvalidRequest(str(error)) from None
+
+    @property
+    def formats(self) -> FormatCompiler:
+        """The structured-output compiler, made at the first request that needs it (its
+        tokenizer takes a few tenths of a second to build)."""
+        with self._formats_lock:
+            if self._formats is None:
+                backend = LLGuidanceBackend(self.tokenizer.backend_json(),
+                                            list(self._info.eos_token_ids),
+                                            self._info.vocab_size)
+                self._formats = FormatCompiler(backend)
+            return self._formats
+
+    def prompt_ids(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest,
+                   tools: Sequence[FunctionTool] = ()) -> list[int]:
+        """Token ids of a text or chat prompt (a chat with `tools` described)."""
         which = request.WhichOneof("input")
         if which == "prompt":
             if not request.prompt:
@@ -104,7 +148,7 @@ class Admission:
         if which == "messages":
             messages = _chat_messages(request.messages)
             try:
-                return self.tokenizer.encode_chat(messages)
+                return self.tokenizer.encode_chat(messages, tools)
             except ValueError as error:
                 raise InvalidRequest(str(error)) from error
         raise InvalidRequest("no prompt: set one of prompt, messages or prompt_token_ids")
@@ -132,5 +176,27 @@ def _chat_messages(messages: gateway_pb2.ChatMessages) -> list[ChatMessage]:
             raise InvalidRequest(
                 f"messages[{i}].role is {message.role!r}; expected one of {', '.join(CHAT_ROLES)}"
             )
-        result.append(ChatMessage(message.role, message.content))
+        field = f"messages[{i}]"
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequest(f"{field}.tool_calls: only an assistant message makes calls, "
+                                 f"not a {message.role} message")
+        if message.tool_call_id and message.role != "tool":
+            raise InvalidRequest(f"{field}.tool_call_id: only a tool message answers a call, "
+                                 f"not a {message.role} message")
+        calls = tuple(_tool_call(call, f"{field}.tool_calls[{j}]")
+                      for j, call in enumerate(message.tool_calls))
+        result.append(ChatMessage(message.role, message.content, calls, message.tool_call_id))
     return result
+
+
+def _tool_call(call: gateway_pb2.ToolCall, field: str) -> ToolCall:
+    """An earlier call, as the chat template writes it: arguments must be JSON text (empty is
+    `{}`, a call without arguments)."""
+    if not call.name:
+        raise InvalidRequest(f"{field}.name is empty")
+    arguments = call.arguments if call.arguments.strip() else "{}"
+    try:
+        json.loads(arguments)
+    except ValueError as error:
+        raise InvalidRequest(f"{field}.arguments is not JSON text: {error}") from None
+    return ToolCall(call.name, arguments, call.id)

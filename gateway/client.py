@@ -29,14 +29,17 @@ class Completion:
     request_id: str = ""
     texts: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)  # "stop", "length", "abort"
+    # "stop", "length", "abort", "tool_calls"
+    finish_reasons: list[str] = field(default_factory=list)
     logprobs: list[list[gateway_pb2.PositionLogprobs]] = field(default_factory=list)
+    # Per output, its tool calls (the request had tools), arguments joined.
+    tool_calls: list[list[gateway_pb2.ToolCall]] = field(default_factory=list)
     usage: gateway_pb2.Usage | None = None
     num_messages: int = 0
 
 
 def finish_reason_name(value: int) -> str:
-    """"stop", "length", "abort" ("" when not finished)."""
+    """"stop", "length", "abort", "tool_calls" ("" when not finished)."""
     if value == gateway_pb2.FINISH_REASON_UNSPECIFIED:
         return ""
     return gateway_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
@@ -143,7 +146,13 @@ def collect(stream: Iterable[gateway_pb2.GenerateResponse]) -> Completion:
                 result.token_ids.append([])
                 result.finish_reasons.append("")
                 result.logprobs.append([])
+                result.tool_calls.append([])
             result.texts[output.index] += output.text
+            calls = result.tool_calls[output.index]
+            for delta in output.tool_calls:
+                if delta.index == len(calls):  # a call's first delta
+                    calls.append(gateway_pb2.ToolCall(id=delta.id, name=delta.name))
+                calls[delta.index].arguments += delta.arguments
             result.token_ids[output.index].extend(output.token_ids)
             result.logprobs[output.index].extend(output.logprobs)
             if output.finish_reason:

@@ -65,6 +65,13 @@ FORWARD_SECONDS = Histogram(
     "pagewire_gateway_runner_forward_seconds", "The model forward of each batch (forward_ms)",
     buckets=_SECONDS_BUCKETS,
 )
+MASK_SECONDS = Histogram(
+    "pagewire_gateway_mask_fill_seconds",
+    "Filling a step's token masks (structured output), all its masked rows",
+    buckets=_SECONDS_BUCKETS,
+)
+MASKED_ROWS = Counter(
+    "pagewire_gateway_masked_rows_total", "Rows sampled under a structured-output mask")
 SAMPLE_SECONDS = Histogram(
     "pagewire_gateway_runner_sample_seconds", "Sampling of each batch (sample_ms)",
     buckets=_SECONDS_BUCKETS,

@@ -18,14 +18,17 @@ from dataclasses import dataclass, field
 
 from gateway.delivery import MessageSink, Outbox, StreamError, ThreadSink
 from gateway.detokenizer import DecodeBatchFn, DecodeFn, IncrementalDetokenizer
+from gateway.grammar import CompiledFormat, FormatMatcher
 from gateway.sequence import SamplingConfig, SeqStatus
 from gateway.sequence import Sequence as Seq
 from gateway.stop import StopStringMatcher
+from gateway.tool_calls import ToolCallDelta, ToolCallParser, make_call_id
 from protos import gateway_pb2
 
 STOP = gateway_pb2.FINISH_REASON_STOP
 LENGTH = gateway_pb2.FINISH_REASON_LENGTH
 ABORT = gateway_pb2.FINISH_REASON_ABORT
+TOOL_CALLS = gateway_pb2.FINISH_REASON_TOOL_CALLS
 UNFINISHED = gateway_pb2.FINISH_REASON_UNSPECIFIED
 
 # A final_only request's outputs are sent early, as a part, once what they hold may reach this
@@ -64,10 +67,18 @@ class OutputState:
     """What one output has streamed and holds back, and why it ended."""
 
     def __init__(self, index: int, decode: DecodeFn, prompt_ids: Sequence[int],
-                 stop: Sequence[str]) -> None:
+                 stop: Sequence[str], output_format: CompiledFormat | None = None,
+                 parses_tool_calls: bool = False) -> None:
         self.index = index
         self.detokenizer = IncrementalDetokenizer(decode, prompt_ids)
         self.stop_matcher = StopStringMatcher(stop)
+        # Structured output: where the output is in its format, advanced with every token by
+        # the runner loop (which fills the next token's mask from it).
+        self.matcher: FormatMatcher | None = (
+            output_format.new_matcher() if output_format is not None else None)
+        # Tools: calls taken out of the text as they come (gateway/tool_calls.py).
+        self.tool_parser = ToolCallParser(make_call_id) if parses_tool_calls else None
+        self.pending_tool_calls: list[ToolCallDelta] = []
         self.finish_reason: gateway_pb2.FinishReason = UNFINISHED
         self.pending_text: list[str] = []  # pieces: joined once, when taken
         self.pending_ids: list[int] = []
@@ -80,7 +91,20 @@ class OutputState:
         return self.finish_reason != UNFINISHED
 
     def add_text(self, text: str) -> None:
-        self._hold_text(self.stop_matcher.add(text))
+        self._hold_text(self._parse_calls(self.stop_matcher.add(text)))
+
+    def _parse_calls(self, text: str, final: bool = False) -> str:
+        """The text less the tool calls in it, which wait in pending_tool_calls."""
+        if self.tool_parser is None:
+            return text
+        content, calls = self.tool_parser.feed(text) if text else ("", [])
+        if final:
+            rest, more = self.tool_parser.finish()
+            content, calls = content + rest, calls + more
+        for call in calls:
+            self.pending_tool_calls.append(call)
+            self.held_bytes += 4 * len(call.arguments) + 64
+        return content
 
     def _hold_text(self, text: str) -> None:
         if text:
@@ -100,8 +124,11 @@ class OutputState:
         if self.finished:
             return
         self.catch_up()
-        if reason != ABORT and not self.stop_matcher.stopped:
-            self._hold_text(self.stop_matcher.flush())
+        if reason != ABORT:
+            held = "" if self.stop_matcher.stopped else self.stop_matcher.flush()
+            self._hold_text(self._parse_calls(held, final=True))
+            if reason == STOP and self.tool_parser is not None and self.tool_parser.num_calls:
+                reason = TOOL_CALLS
         self.finish_reason = reason
 
     def catch_up(self) -> None:
@@ -117,7 +144,7 @@ class OutputState:
         Only the fields that hold something are set: a message per token per stream is made
         for every row of every step, and each keyword protobuf takes costs."""
         finishing = self.finished and not self.reported_finish
-        if not (self.pending_text or self.pending_ids or finishing):
+        if not (self.pending_text or self.pending_ids or finishing or self.pending_tool_calls):
             return False
         delta = message.outputs.add(token_ids=self.pending_ids)
         if self.index:
@@ -128,6 +155,11 @@ class OutputState:
         if self.pending_logprobs:
             delta.logprobs.extend(self.pending_logprobs)
             self.pending_logprobs = []
+        if self.pending_tool_calls:
+            for call in self.pending_tool_calls:
+                delta.tool_calls.add(index=call.index, id=call.id, name=call.name,
+                                     arguments=call.arguments)
+            self.pending_tool_calls = []
         if finishing:
             delta.finish_reason = self.finish_reason
             self.reported_finish = True
@@ -143,7 +175,11 @@ class Request:
                  max_len: int, eos_ids: frozenset[int], decode: DecodeFn,
                  cache_salt: str = "", public_id: str = "", final_only: bool = False,
                  stream: MessageSink | None = None, stream_interval: int = 1,
-                 decode_batch: DecodeBatchFn | None = None) -> None:
+                 decode_batch: DecodeBatchFn | None = None,
+                 output_format: CompiledFormat | None = None,
+                 parses_tool_calls: bool = False) -> None:
+        """`output_format`: structured output (each output gets a matcher of it);
+        `parses_tool_calls`: tool calls are taken out of the outputs' text."""
         self.request_id = request_id  # unique inside the gateway
         self.public_id = public_id or request_id  # what the client sees
         self.prompt_ids = prompt_ids
@@ -163,8 +199,10 @@ class Request:
             lambda windows: [decode(window) for window in windows])
         self._sent_any = False
         self.sequences = self._make_sequences()
+        self.output_format = output_format
         self.outputs = [
-            OutputState(i, decode, prompt_ids, params.stop) for i in range(params.n)
+            OutputState(i, decode, prompt_ids, params.stop, output_format, parses_tool_calls)
+            for i in range(params.n)
         ]
         self.cached_tokens = 0
         # What its runner was expected to hold of the prompt when it was placed there (Route):
@@ -239,10 +277,12 @@ class Request:
         return self.take_length(seq)
 
     def take_length(self, seq: Seq) -> bool:
-        """Ends `seq`'s output when it has reached its length (its text, decoded or waiting,
-        is released); True when the output has ended."""
+        """Ends `seq`'s output when it has reached its length, or its format is complete
+        (its text, decoded or waiting, is released); True when the output has ended."""
         output = self.outputs[seq.index]
-        if seq.num_output_tokens >= self.params.max_tokens or seq.num_tokens >= self.max_len:
+        if output.matcher is not None and output.matcher.finished:
+            output.finish(STOP)
+        elif seq.num_output_tokens >= self.params.max_tokens or seq.num_tokens >= self.max_len:
             output.finish(LENGTH)
         return output.finished
 

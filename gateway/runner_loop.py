@@ -34,6 +34,8 @@ import grpc
 from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.delivery import Outbox
+from gateway.grammar import Backend, FormatMatcher
+from gateway.masking import StepMasks, step_masks
 from gateway.request import Request, TokenLogprobs
 from gateway.retry import (
     BLOCK_SERVICE,
@@ -75,6 +77,8 @@ class InFlight:
     step_id: int
     work: list[Work]
     reply: Future[runner_pb2.ExecuteResponse]
+    # Its masks, when they follow it: sent once the step before has been taken.
+    late_masks: StepMasks | None = None
 
 
 class BackendLost(Exception):
@@ -448,8 +452,49 @@ class RunnerLoop:
             pending_rows = {seq: row for row, seq in enumerate(sampled_sequences(previous.work))}
             after_step_id = previous.step_id
         request = self._execute_request(work, copies, pending_rows, after_step_id)
+        late_masks = self._add_masks(request.request, work, pending_rows)
         self._in_flight.append(InFlight(self._step_id, work,
-                                        self._executor.submit(self._execute, request)))
+                                        self._executor.submit(self._execute, request),
+                                        late_masks))
+
+    def _add_masks(self, request: runner_pb2.ExecuteRequest, work: list[Work],
+                   pending_rows: Mapping[Sequence, int]) -> StepMasks | None:
+        """Structured output: names the step's masked rows, with their masks when every one
+        can be filled now; returns them when they must follow (a masked row's input token
+        is still being sampled), to be filled and sent once it is taken (gateway/masking.py)."""
+        masks = step_masks(work, self._matcher_of)
+        if masks is None:
+            return None
+        request.mask_seq_indices.extend(masks.seq_indices)
+        if any(work[i].seq in pending_rows for i in masks.seq_indices):
+            request.masks_follow = True
+            return masks
+        request.masks = masks.fill()
+        return None
+
+    def _matcher_of(self, seq: Sequence) -> tuple[FormatMatcher, Backend] | None:
+        request = self._requests.get(seq.request_id)
+        if request is None or request.output_format is None:
+            return None
+        output = request.outputs[seq.index]
+        if output.matcher is None or output.finished:
+            return None
+        return output.matcher, request.output_format.backend
+
+    def _send_late_masks(self) -> None:
+        """Fills and sends the masks of the step in flight that waits for them (its rows'
+        matchers have just taken the tokens before); the runner waits for them only before
+        sampling. A failed call leaves that step to fail at the runner (and the loop to
+        reset)."""
+        in_flight = self._in_flight[0] if self._in_flight else None
+        masks = in_flight.late_masks if in_flight is not None else None
+        if in_flight is None or masks is None:
+            return
+        in_flight.late_masks = None
+        request = runner_pb2.SupplyMasksRequest(client_id=self._session_id,
+                                                step_id=in_flight.step_id, masks=masks.fill())
+        call = self._runner.SupplyMasks.future(request, timeout=self.retry.control_timeout_s)
+        call.add_done_callback(_log_mask_failure)
 
     def _take_in_flight(self, keep: int) -> None:
         """Waits for the oldest Executes until `keep` remain, and takes their samples (a
@@ -565,6 +610,9 @@ class RunnerLoop:
             if request is not None and seq.status is SeqStatus.RUNNING:
                 rows.append(SampledRow(request, seq, reply.token_ids[i],
                                        logprobs[i] if logprobs else None))
+        # Matchers first, and the next step's masks out at once: its forward is running.
+        _advance_matchers(rows)
+        self._send_late_masks()
         taken = take_sampled(rows)
         for seq in taken.ended:
             self.scheduler.finish(seq)
@@ -631,6 +679,25 @@ def _backend_info(reply: runner_pb2.InfoResponse) -> BackendInfo:
         num_blocks=reply.num_blocks, block_size=reply.block_size, dtype=reply.dtype,
         device=reply.device, epoch=reply.epoch,
     )
+
+
+def _advance_matchers(rows: list[SampledRow]) -> None:
+    """Each structured output's matcher takes its token (the runner sampled it under the
+    matcher's mask, so a refusal is a bug somewhere: the output then ends)."""
+    for row in rows:
+        output = row.request.outputs[row.seq.index]
+        matcher = output.matcher
+        if matcher is None or output.finished:
+            continue
+        if not matcher.consume(row.token_id):
+            log.error("request %s: token %d is not allowed by its format: %s",
+                      row.request.public_id, row.token_id, matcher.error)
+
+
+def _log_mask_failure(call: Future[runner_pb2.SupplyMasksResponse]) -> None:
+    error = call.exception()
+    if error is not None:
+        log.warning("SupplyMasks failed (the step that waits for them will fail): %s", error)
 
 
 def _split_logprobs(reply: runner_pb2.ExecuteResponse) -> list[TokenLogprobs]:

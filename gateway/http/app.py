@@ -203,7 +203,7 @@ class HttpApi:
             requests = [self._admission.build_request(pb, sink, job.default_max_tokens)
                         for pb, sink in zip(job.requests, messages.sinks, strict=True)]
         except InvalidRequest as error:
-            raise invalid(str(error), param=_field_named(str(error))) from None
+            raise invalid(str(error), param=_field_named(str(error), job)) from None
         echo_texts = [p if isinstance(p, str) else self._tokenizer.decode(p)
                       for p in job.echo_prompts]
         return requests, echo_texts
@@ -324,11 +324,15 @@ class _EventStream(StreamingResponse):
             self._close()
 
 
-def _field_named(message: str) -> str | None:
+def _field_named(message: str, job: Job) -> str | None:
     """The request field an InvalidRequest message starts with (admission's messages name the
-    field first)."""
+    field first, or its part, like `tools[2].name`); gRPC's structured_output is the body
+    field that asked for the format."""
     word = message.split(" ", 1)[0].rstrip(":")
-    return word if word in COMPLETION_FIELDS | CHAT_FIELDS else None
+    base = refusals.reason_label(word)
+    if base == "structured_output":
+        return job.format_field
+    return word if base in COMPLETION_FIELDS | CHAT_FIELDS else None
 
 
 def _raise_if_error(item: _Item) -> None:

@@ -17,6 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.http.errors import ApiError, invalid
+from gateway.http.structured import (
+    FORMAT_FIELDS,
+    TOOL_FIELDS,
+    OutputFormat,
+    output_format,
+    set_tools,
+    tool_calls,
+)
 from gateway.tokenizer import CHAT_ROLES
 from gateway.validation import MAX_STREAM_INTERVAL
 from protos import gateway_pb2
@@ -37,12 +45,8 @@ MAX_BIAS = 100.0  # logit_bias values are clamped to [-MAX_BIAS, MAX_BIAS]
 # without pagewire honouring it, so it is refused, never ignored. OpenAI's first, then
 # vLLM's extras.
 _UNSERVED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: isinstance(v, bool),
-    "response_format": lambda v: isinstance(v, dict) and v == {"type": "text"},
     "audio": lambda v: False,
     "modalities": lambda v: v == ["text"],
     "prediction": lambda v: False,
@@ -70,11 +74,6 @@ _UNSERVED: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": lambda v: False,
     "truncate_prompt_tokens": lambda v: False,
     "priority": lambda v: v == 0,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
 }
 # The same for fields whose no-op value differs between the two endpoints (pagewire renders a
 # chat with the generation prompt and tokenizes it without adding special tokens, and a plain
@@ -92,6 +91,10 @@ _UNSERVED_CHAT: dict[str, Callable[[Any], bool]] = {
 _UNSERVED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     **_UNSERVED,
     "add_special_tokens": lambda v: v is True,
+    # Tools are described through the chat template: chat only.
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
 }
 _SAMPLING_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -100,9 +103,9 @@ _SAMPLING_FIELDS = {
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "cache_salt", "stop_token_ids",
     "stream_interval",  # pagewire's own (vLLM has only a server flag)
 }
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "logprobs", *FORMAT_FIELDS}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs",
-                                  "top_logprobs"}
+                                  "top_logprobs", *FORMAT_FIELDS, *TOOL_FIELDS}
 # Every field name an endpoint knows (a refusal's reason label may be one of them).
 KNOWN_FIELDS = COMPLETION_FIELDS | CHAT_FIELDS | set(_UNSERVED_CHAT) | set(
     _UNSERVED_COMPLETION)
@@ -111,6 +114,12 @@ STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # "system" OpenAI's newer name for it, "developer" (which gRPC clients may not send).
 _ROLE_ALIASES = {"system": ("developer",)}
 OPENAI_ROLES = {name: role for role in CHAT_ROLES for name in (role, *_ROLE_ALIASES.get(role, ()))}
+# The fields of a chat message beyond role and content, by role.
+_MESSAGE_FIELDS = {"assistant": {"role", "content", "tool_calls"},
+                   "tool": {"role", "content", "tool_call_id"}}
+# Fields of an answer's message that ask for nothing when null (or empty), which a client
+# sends back with the message as the openai SDK's model_dump() writes it.
+_ECHOED_ANSWER_FIELDS = {"refusal", "annotations", "audio", "function_call"}
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,9 @@ class Job:
     echo_prompts: list[str | list[int]] = field(default_factory=list)
     # Completions: logprobs=k; chat: top_logprobs when logprobs is true. None: no logprobs.
     logprobs: int | None = None
+    # The body field that asked for an output format (admission's errors about the format
+    # name it), if any.
+    format_field: str | None = None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -254,6 +266,11 @@ def _json_type(value: Any) -> str:
 def parse_completion(body: dict[str, Any], model: ServedModel) -> Job:
     """A /v1/completions body; `model` is what it must name (when it names one). Without
     max_tokens the job's default_max_tokens (OpenAI's 16) caps what fits."""
+    for name in TOOL_FIELDS:
+        value = body.get(name)
+        if value is not None and not _UNSERVED_COMPLETION[name](value):
+            raise invalid(f"{name} is served on /v1/chat/completions only (tools are described "
+                          f"to the model through its chat template)", param=name)
     fields = Fields(body, COMPLETION_FIELDS, _UNSERVED_COMPLETION)
     prompts = _completion_prompts(body.get("prompt"))
     logprobs = fields.integer("logprobs", 0, _UINT32_MAX)
@@ -264,15 +281,16 @@ def parse_completion(body: dict[str, Any], model: ServedModel) -> Job:
     params = _sampling_params(fields, "max_tokens")
     if logprobs is not None:
         params.logprobs = logprobs
+    fmt = output_format(body)
     requests = []
     for prompt in prompts:
-        request = _generate_request(fields, params)
+        request = _generate_request(fields, params, fmt)
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
             request.prompt_token_ids.token_ids.extend(prompt)
         requests.append(request)
-    job = _job(fields, model, requests, params, chat=False)
+    job = _job(fields, model, requests, params, chat=False, fmt=fmt)
     job.logprobs = logprobs
     job.default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if echo:
@@ -294,15 +312,20 @@ def parse_chat(body: dict[str, Any], model: ServedModel) -> Job:
         params.max_tokens = max_completion_tokens
     if want_logprobs:
         params.logprobs = top or 0
-    request = _generate_request(fields, params)
+    fmt = output_format(body)
+    request = _generate_request(fields, params, fmt)
     request.messages.messages.extend(request_messages)
-    job = _job(fields, model, [request], params, chat=True)
+    set_tools(body, request)
+    if request.tools and fmt is not None:
+        raise invalid(f"tools cannot be combined with {fmt.field}: tool calls have a format "
+                      f"of their own", param="tools")
+    job = _job(fields, model, [request], params, chat=True, fmt=fmt)
     job.logprobs = (top or 0) if want_logprobs else None
     return job
 
 
 def _job(fields: Fields, model: ServedModel, requests: list[gateway_pb2.GenerateRequest],
-         params: gateway_pb2.SamplingParams, chat: bool) -> Job:
+         params: gateway_pb2.SamplingParams, chat: bool, fmt: OutputFormat | None) -> Job:
     check_model(fields, model)
     stream = fields.boolean("stream")
     include_usage = continuous_usage = False
@@ -323,7 +346,8 @@ def _job(fields: Fields, model: ServedModel, requests: list[gateway_pb2.Generate
         raise invalid(f"user has {len(user)} characters, over {MAX_USER_CHARS}", param="user")
     return Job(model=model.name, requests=requests,
                n=params.n if params.HasField("n") else 1, stream=stream,
-               include_usage=include_usage, chat=chat, continuous_usage=continuous_usage)
+               include_usage=include_usage, chat=chat, continuous_usage=continuous_usage,
+               format_field=fmt.field if fmt is not None else None)
 
 
 def check_model(fields: Fields, model: ServedModel) -> None:
@@ -334,10 +358,12 @@ def check_model(fields: Fields, model: ServedModel) -> None:
                             f"{model.name!r}", param="model", code="model_not_found")
 
 
-def _generate_request(fields: Fields, params: gateway_pb2.SamplingParams
-                      ) -> gateway_pb2.GenerateRequest:
+def _generate_request(fields: Fields, params: gateway_pb2.SamplingParams,
+                      fmt: OutputFormat | None) -> gateway_pb2.GenerateRequest:
     request = gateway_pb2.GenerateRequest(cache_salt=fields.string("cache_salt"))
     request.sampling_params.CopyFrom(params)
+    if fmt is not None:
+        request.structured_output.CopyFrom(fmt.output)
     request.final_only = not fields.boolean("stream")
     interval = fields.integer("stream_interval", 1, MAX_STREAM_INTERVAL)
     if interval is not None:
@@ -438,17 +464,30 @@ def _chat_messages(value: Any) -> list[gateway_pb2.ChatMessage]:
         name = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{name} must be an object", param=name)
-        extra = set(message) - {"role", "content"}
-        if extra:
-            raise invalid(f"{name} has fields pagewire does not serve: "
-                          f"{', '.join(sorted(extra))} (it takes role and content)",
-                          param=name)
         role = message.get("role")
         if not isinstance(role, str) or role not in OPENAI_ROLES:
             raise invalid(f"{name}.role must be one of {', '.join(OPENAI_ROLES)}, got "
                           f"{str(role)[:32]!r}", param=f"{name}.role")
-        messages.append(gateway_pb2.ChatMessage(
-            role=OPENAI_ROLES[role], content=_content(message.get("content"), name)))
+        served = _MESSAGE_FIELDS.get(role, {"role", "content"})
+        extra = set(message) - served
+        if role == "assistant":
+            extra -= {key for key in extra & _ECHOED_ANSWER_FIELDS if message[key] in (None, [])}
+        if extra:
+            raise invalid(f"{name} has fields pagewire does not serve: "
+                          f"{', '.join(sorted(extra))} (a {role} message takes "
+                          f"{', '.join(sorted(served))})", param=name)
+        entry = gateway_pb2.ChatMessage(role=OPENAI_ROLES[role])
+        entry.tool_calls.extend(tool_calls(message.get("tool_calls"), f"{name}.tool_calls"))
+        # OpenAI's content may be left out of an assistant message that makes calls.
+        if not (entry.tool_calls and message.get("content") is None):
+            entry.content = _content(message.get("content"), name)
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise invalid(f"{name}.tool_call_id must be the id of the call it answers (a "
+                              f"string)", param=f"{name}.tool_call_id")
+            entry.tool_call_id = call_id
+        messages.append(entry)
     return messages
 
 

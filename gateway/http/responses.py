@@ -15,6 +15,7 @@ FINISH_REASONS = {
     gateway_pb2.FINISH_REASON_STOP: "stop",
     gateway_pb2.FINISH_REASON_LENGTH: "length",
     gateway_pb2.FINISH_REASON_ABORT: "abort",
+    gateway_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 TokenText = Callable[[int], str]
@@ -30,6 +31,7 @@ class Choice:
     streamed_tokens: int = 0  # streams: tokens sent so far (continuous usage)
     logprobs: list[gateway_pb2.PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # whole answers only
 
 
 class Answer:
@@ -117,9 +119,13 @@ class Answer:
             reason = FINISH_REASONS.get(output.finish_reason)
             entry: dict[str, Any] = {"index": index}
             if self.job.chat:
-                delta: dict[str, Any] = {"content": text} if text or not reason else {}
+                calls = _call_deltas(output.tool_calls)
+                empty = not (reason or calls)  # a chunk says something, if only ""
+                delta: dict[str, Any] = {"content": text} if text or empty else {}
                 if first:
                     delta = {"role": "assistant", **delta}
+                if calls:
+                    delta["tool_calls"] = calls
                 entry["delta"] = delta
             else:
                 entry["text"] = text
@@ -151,6 +157,13 @@ class Answer:
             choice = self.choices[prompt_index * self.job.n + output.index]
             choice.texts.append(output.text)
             choice.logprobs.extend(output.logprobs)
+            for call in _call_deltas(output.tool_calls):
+                if "id" in call:  # a call's first delta (they come in index order)
+                    choice.tool_calls.append({key: call[key]
+                                              for key in ("id", "type", "function")})
+                else:
+                    choice.tool_calls[call["index"]]["function"]["arguments"] += (
+                        call["function"]["arguments"])
             choice.finish_reason = FINISH_REASONS.get(output.finish_reason,
                                                       choice.finish_reason)
         if message.HasField("usage"):
@@ -163,10 +176,34 @@ class Answer:
             text = echo + "".join(choice.texts)
             entry: dict[str, Any] = {"index": choice.index}
             if self.job.chat:
-                entry["message"] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if choice.tool_calls:
+                    # OpenAI's: no content when the answer is only calls.
+                    message["content"] = text if text.strip() else None
+                    message["tool_calls"] = choice.tool_calls
+                entry["message"] = message
             else:
                 entry["text"] = text
             entry["logprobs"] = self._logprobs(choice.logprobs, len(echo))
             entry["finish_reason"] = choice.finish_reason
             choices.append(entry)
         return {**self._head(False), "choices": choices, "usage": self.usage()}
+
+
+def _call_deltas(deltas: Sequence[gateway_pb2.ToolCallDelta]) -> list[dict[str, Any]]:
+    """Tool call deltas as OpenAI streams them: a call's first with its id, type and name,
+    the others with the next piece of its arguments; a message's deltas of one call are
+    merged."""
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        if calls and calls[-1]["index"] == delta.index:
+            calls[-1]["function"]["arguments"] += delta.arguments
+            continue
+        call: dict[str, Any] = {"index": delta.index}
+        if delta.name:
+            call.update(id=delta.id, type="function",
+                        function={"name": delta.name, "arguments": delta.arguments})
+        else:
+            call["function"] = {"arguments": delta.arguments}
+        calls.append(call)
+    return calls

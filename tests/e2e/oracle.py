@@ -139,3 +139,41 @@ def greedy_openai_penalties(prompt_ids: Sequence[int], max_new_tokens: int,
         if token in eos_ids:
             break
     return output
+
+
+def greedy_constrained(prompt_ids: Sequence[int], max_new_tokens: int, grammar: str,
+                       model: Path | None = None) -> list[int]:
+    """A reference greedy loop under a format: transformers' logits, every token the
+    llguidance matcher of `grammar` (an llguidance grammar, e.g. from
+    LLMatcher.grammar_from_json_schema) does not allow set to -inf, then argmax; stops when the
+    format is complete (as pagewire does, without sampling the end-of-sequence token)."""
+    import llguidance
+
+    folder = model or resolve_model(None)
+    hf = _model(model)
+    eos = hf.generation_config.eos_token_id
+    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    tokenizer = llguidance.LLTokenizer(str(folder / "tokenizer.json"), eos_token=eos_ids or None)
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    assert not matcher.is_error(), matcher.get_error()
+    cache_arg = ("cache" if "cache" in inspect.signature(type(hf).forward).parameters
+                 else "past_key_values")
+    inputs, past = list(prompt_ids), None
+    output: list[int] = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            out = hf(torch.tensor([inputs]), **{cache_arg: past}, use_cache=True)
+        past = out.cache if hasattr(out, "cache") else out.past_key_values
+        logits = out.logits[0, -1].float().clone()
+        mask = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+        allowed = torch.zeros(mask.numel() * 8, dtype=torch.bool)
+        for bit in range(8):
+            allowed[bit::8] = (mask >> bit) & 1 == 1
+        logits[~allowed[:logits.numel()]] = float("-inf")
+        token = int(logits.argmax())
+        assert matcher.consume_token(token), matcher.get_error()
+        output.append(token)
+        inputs = [token]
+        if matcher.is_stopped():
+            break
+    return output

@@ -142,9 +142,13 @@ def run_streams(client: PagewireClient, prompts: Sequence[Sequence[int]]) -> lis
 class Stack:
     """Block service (journaled), runner and gateways as processes in one log folder."""
 
-    def __init__(self, log_dir: Path, model: Path) -> None:
+    def __init__(self, log_dir: Path, model: Path,
+                 runner_flags: list[str] | None = None) -> None:
+        """`runner_flags`: the runners' model and cache flags (default: runner_args, sized
+        for the tiny models)."""
         self.log_dir = log_dir
         self.model = model
+        self.runner_flags = runner_flags or runner_args(model)
         self.journal_dir = log_dir / "journal"
         self.processes: list[ServiceProcess] = []
         self.block_service = self._start(ServiceProcess("block_service", [
@@ -252,9 +256,13 @@ class Cluster:
     The runners skip the GEMM tuning (--linear-backend plain): it costs ~14 s per start on
     two cores, and these tests are about where requests run, not how fast."""
 
-    def __init__(self, log_dir: Path, model: Path) -> None:
+    def __init__(self, log_dir: Path, model: Path,
+                 runner_flags: list[str] | None = None) -> None:
+        """`runner_flags`: the runners' model and cache flags (default: runner_args, sized
+        for the tiny models)."""
         self.log_dir = log_dir
         self.model = model
+        self.runner_flags = runner_flags or runner_args(model)
         self.processes: list[ServiceProcess] = []
         self.runners: list[ServiceProcess] = []
         self.gateways: list[GatewayProcess] = []
@@ -272,7 +280,7 @@ class Cluster:
     def start_runner(self) -> ServiceProcess:
         """Starts a runner that registers itself (returns at once: wait_serving waits)."""
         runner = self._start(ServiceProcess("gpu_runner", [
-            *runner_args(self.model), "--linear-backend", "plain",
+            *self.runner_flags, "--linear-backend", "plain",
             "--block-service", self.block_service.address,
             "--registration-lease-ms", str(REGISTRATION_LEASE_MS)]))
         self.runners.append(runner)

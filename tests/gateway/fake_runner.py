@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from gpu_runner.merging import BatchError, BatchMerger, PendingStepError
+from gpu_runner.masks import MaskBoard, MissingMasks, words_per_row
+from gpu_runner.merging import BatchError, BatchMerger, PartialFailure, PendingStepError
 from protos import runner_pb2, runner_pb2_grpc
 
 VOCAB = 49152
@@ -59,6 +60,11 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         # of them is checked here).
         self.penalty_rows = 0
         self.penalty_error = ""
+        # Structured output: late masks, and how many rows were sampled under a mask (the
+        # fake model picks an allowed token: its hash indexes the 8 of lowest id, mostly
+        # single characters, so that strings and numbers end soon).
+        self.mask_board = MaskBoard(wait_s=5.0)
+        self.masked_rows = 0
 
     def Info(self, request: runner_pb2.InfoRequest, context: grpc.ServicerContext
              ) -> runner_pb2.InfoResponse:
@@ -82,6 +88,11 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         raise AssertionError("unreachable: abort raises")
 
+    def SupplyMasks(self, request: runner_pb2.SupplyMasksRequest,
+                    context: grpc.ServicerContext) -> runner_pb2.SupplyMasksResponse:
+        self.mask_board.put(request.client_id, request.step_id, request.masks)
+        return runner_pb2.SupplyMasksResponse()
+
     def _check_one(self, request: runner_pb2.ExecuteRequest) -> None:
         """In the batch's turn, its pending tokens filled in."""
         with self.lock:
@@ -90,13 +101,18 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         if error:
             raise BatchError(error)
 
-    def _forward(self, merged: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+    def _forward(self, merged: runner_pb2.ExecuteRequest,
+                 parts: list[runner_pb2.ExecuteRequest]) -> runner_pb2.ExecuteResponse:
+        failed: dict[int, BaseException] = {}
+        masks = self._masks(parts, failed)  # outside the lock: late ones may still come
         with self.lock:
             self.forwards.append(merged)
             error = self._check(merged)  # the merge must keep every row's slots and table
             if error:
                 raise BatchError(f"merged batch: {error}")
-            answer = self._run(merged)
+            answer = self._run(merged, masks)
+            if failed:
+                raise PartialFailure(answer, failed)
             if self.penalty_error:
                 raise BatchError(self.penalty_error)
             return answer
@@ -128,7 +144,33 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             table_cursor += request.block_table_lens[i]
         return ""
 
-    def _run(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+    def _masks(self, parts: list[runner_pb2.ExecuteRequest],
+               failed: dict[int, BaseException]) -> dict[int, np.ndarray]:
+        """Merged sequence index -> its allowed token ids."""
+        words = words_per_row(VOCAB)
+        allowed: dict[int, np.ndarray] = {}
+        offset = 0
+        for i, part in enumerate(parts):
+            data = part.masks
+            if not part.mask_seq_indices:
+                offset += len(part.num_new_tokens)
+                continue
+            if part.masks_follow:
+                try:
+                    data = self.mask_board.take(part.client_id, part.step_id)
+                except MissingMasks as error:
+                    failed[i] = PendingStepError(str(error))
+                    data = b""
+            if len(data) == len(part.mask_seq_indices) * words * 4:
+                rows = np.frombuffer(data, dtype=np.uint8).reshape(len(part.mask_seq_indices), -1)
+                bits = np.unpackbits(rows, axis=1, bitorder="little")[:, :VOCAB]
+                for j, seq in enumerate(part.mask_seq_indices):
+                    allowed[offset + seq] = np.nonzero(bits[j])[0]
+            offset += len(part.num_new_tokens)
+        return allowed
+
+    def _run(self, request: runner_pb2.ExecuteRequest,
+             masks: dict[int, np.ndarray] | None = None) -> runner_pb2.ExecuteResponse:
         for src, dst in zip(request.copy_src_block_ids, request.copy_dst_block_ids,
                             strict=True):
             bs = self.block_size
@@ -149,6 +191,9 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             self._check_penalty_history(request, i, context)
             seed = None if request.temperatures[i] == 0 else int(request.seeds[i])
             token = next_token(context, seed)
+            if masks and i in masks and masks[i].size:
+                token = int(masks[i][token % min(8, masks[i].size)])
+                self.masked_rows += 1
             reply.token_ids.append(token)
             if request.num_logprobs:
                 reply.logprobs.append(-0.5)

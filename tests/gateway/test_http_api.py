@@ -463,10 +463,12 @@ def test_bad_completion_bodies_are_bad_request_naming_the_field(
 
 
 BAD_CHATS: list[tuple[dict[str, Any], str]] = [
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-    (dict(tool_choice="auto"), "tool_choice"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    (dict(tools=[{"type": "function", "function": {"name": "f g", "parameters": {}}}]),
+     "tools[0].name"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(response_format={"type": "xml"}), "response_format"),
+    (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
     (dict(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role"),
     (dict(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
