@@ -17,7 +17,9 @@ seam another library would fill: compile a spec, copy a matcher, fill masks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,10 +64,18 @@ class FormatSpec:
     kind: str
     source: str = ""
     whitespace_flexible: bool = False
-    field: str = "structured_output"
+    # Not part of what is compiled (nor of the cache key): one schema from two fields is
+    # one compile.
+    field: str = dataclasses.field(default="structured_output", compare=False)
 
     def grammar(self) -> str:
-        """The llguidance grammar (FormatError for a source that does not parse)."""
+        """The llguidance grammar (FormatError for a source that does not parse), without
+        forced-token search: llguidance's search for the tokens a state forces can run
+        without end, its memory growing, on grammars such as `start: /a+/ "a"`, and the masks
+        need none of it."""
+        return _without_forcing(self._grammar())
+
+    def _grammar(self) -> str:
         if self.kind == "json_object":
             return self._json({"type": "object"})
         if self.kind == "json_schema":
@@ -73,20 +83,30 @@ class FormatSpec:
                 schema = json.loads(self.source)
             except ValueError as error:
                 raise FormatError(f"{self.field}: not JSON: {error}") from None
-            if not isinstance(schema, (dict, bool)):
+            if schema is True:
+                schema = {}  # any value
+            if schema is False:
+                raise FormatError(f"{self.field}: the schema false allows no value")
+            if not isinstance(schema, dict):
                 raise FormatError(f"{self.field}: a JSON schema is an object or a boolean")
             return self._json(schema)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "choice":
-            choices = json.loads(self.source)
+            try:
+                choices = json.loads(self.source)
+            except ValueError:
+                choices = None
+            if not (isinstance(choices, list) and choices
+                    and all(isinstance(choice, str) and choice for choice in choices)):
+                raise FormatError(f"{self.field}: give a list of non-empty strings")
             alternatives = " | ".join(json.dumps(choice) for choice in choices)
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
         if self.kind in ("grammar", "tools"):
             return llguidance.LLMatcher.grammar_from_lark(self.source)
         raise FormatError(f"{self.field}: unknown format {self.kind!r}")
 
-    def _json(self, schema: dict | bool) -> str:
+    def _json(self, schema: dict) -> str:
         # One fixed spacing by default, json.dumps's (", " and ": "), which models have seen
         # most: a model free to put whitespace between tokens can write it until max_tokens
         # (vLLM #38696).
@@ -123,9 +143,17 @@ def format_spec(output: gateway_pb2.StructuredOutput, field: str = "structured_o
 
 def choice_spec(choices: list[str], field: str) -> FormatSpec:
     """The format of one of `choices` exactly."""
-    if not choices:
-        raise FormatError(f"{field}: give at least one choice")
     return FormatSpec("choice", json.dumps(choices), field=field)
+
+
+def _without_forcing(grammar: str) -> str:
+    """`grammar` (llguidance's JSON form, or Lark text) as Lark text with forced-token search
+    off (a directive only Lark takes; put last, so that errors keep their line numbers)."""
+    lark = grammar
+    if grammar.lstrip().startswith("{"):
+        [entry] = json.loads(grammar)["grammars"]
+        lark = entry.get("lark_grammar") or "start: %json " + json.dumps(entry["json_schema"])
+    return lark + '\n%llguidance {"no_forcing": true}\n'
 
 
 class FormatMatcher(Protocol):
@@ -218,8 +246,15 @@ class LLGuidanceBackend:
     def compile(self, spec: FormatSpec) -> CompiledFormat:
         matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0,
                                        limits=self._limits)
+        if not matcher.is_error():
+            # The first mask, at admission: a grammar that cannot even start (e.g. one that
+            # never ends, `start: "a" start`) is refused here rather than at its first step.
+            probe = _LLMatcher(matcher.deep_copy())
+            self.fill_masks([probe], np.zeros((1, self.words), dtype=np.int32))
+            if probe.error:
+                raise FormatError(f"{spec.field}: {_one_line(probe.error, spec)}")
         if matcher.is_error():
-            raise FormatError(f"{spec.field}: {_one_line(matcher.get_error())}")
+            raise FormatError(f"{spec.field}: {_one_line(matcher.get_error(), spec)}")
         return _LLCompiled(matcher, self)
 
     def fill_masks(self, matchers: list[FormatMatcher], masks: np.ndarray) -> None:
@@ -290,7 +325,20 @@ class FormatCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _one_line(message: str, limit: int = 400) -> str:
-    """llguidance's error (several lines, with a caret under the spot) on one line."""
-    text = " ".join(line.strip() for line in message.splitlines() if line.strip()) or "invalid"
+def _one_line(message: str, spec: FormatSpec, limit: int = 400) -> str:
+    """llguidance's error on one line, without the grammar it quotes (lines `N | ...`) and,
+    but for a client's own Lark grammar, without the place in the grammar made of its spec."""
+    lines = []
+    for line in message.splitlines():
+        if _QUOTED_LINE.match(line):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    text = " ".join(lines) or "invalid"
+    if spec.kind != "grammar":
+        text = _GENERATED_PLACE.sub("", text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_QUOTED_LINE = re.compile(r"^\s*\d+ \|")
+_GENERATED_PLACE = re.compile(r"^at \d+\(\d+\): (failed to compile JSON schema: )?")
