@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -111,34 +111,21 @@ def greedy_openai_penalties(prompt_ids: Sequence[int], max_new_tokens: int,
                             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                             logit_bias: dict[int, float] | None = None,
                             model: Path | None = None) -> list[int]:
-    """A reference greedy loop over transformers' logits (its KV cache carried): the logit
-    bias added, then OpenAI's penalties over the output so far, ``logit[j] -=
-    count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``, then argmax; stops
-    after EOS."""
-    hf = _model(model)
-    eos = hf.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    # transformers renames forward's KV cache argument (past_key_values -> cache).
-    cache_arg = ("cache" if "cache" in inspect.signature(type(hf).forward).parameters
-                 else "past_key_values")
-    inputs, past = list(prompt_ids), None
-    output: list[int] = []
-    for _ in range(max_new_tokens):
-        with torch.no_grad():
-            out = hf(torch.tensor([inputs]), **{cache_arg: past}, use_cache=True)
-        past = out.cache if hasattr(out, "cache") else out.past_key_values
-        logits = out.logits[0, -1].float().clone()
+    """A reference greedy loop over transformers' logits: the logit bias added, then OpenAI's
+    penalties over the output so far, ``logit[j] -= count[j] * frequency_penalty +
+    (count[j] > 0) * presence_penalty``, then argmax; stops after EOS."""
+    eos_ids = set(_eos_ids(model))
+
+    def pick(logits: torch.Tensor, output: list[int]) -> tuple[int, bool]:
         for token_id, bias in (logit_bias or {}).items():
             logits[token_id] += bias
         for token_id in set(output):
             count = output.count(token_id)
             logits[token_id] -= count * frequency_penalty + (count > 0) * presence_penalty
         token = int(logits.argmax())
-        inputs = [token]
-        output.append(token)
-        if token in eos_ids:
-            break
-    return output
+        return token, token in eos_ids
+
+    return _greedy_loop(prompt_ids, max_new_tokens, model, pick)
 
 
 def greedy_constrained(prompt_ids: Sequence[int], max_new_tokens: int, grammar: str,
@@ -150,12 +137,35 @@ def greedy_constrained(prompt_ids: Sequence[int], max_new_tokens: int, grammar: 
     import llguidance
 
     folder = model or resolve_model(None)
-    hf = _model(model)
-    eos = hf.generation_config.eos_token_id
-    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    tokenizer = llguidance.LLTokenizer(str(folder / "tokenizer.json"), eos_token=eos_ids or None)
+    tokenizer = llguidance.LLTokenizer(str(folder / "tokenizer.json"),
+                                       eos_token=_eos_ids(model) or None)
     matcher = llguidance.LLMatcher(tokenizer, grammar)
     assert not matcher.is_error(), matcher.get_error()
+
+    def pick(logits: torch.Tensor, output: list[int]) -> tuple[int, bool]:
+        mask = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+        allowed = torch.zeros(mask.numel() * 8, dtype=torch.bool)
+        for bit in range(8):  # little-endian words: token t is bit t % 8 of byte t // 8
+            allowed[bit::8] = (mask >> bit) & 1 == 1
+        logits[~allowed[:logits.numel()]] = float("-inf")
+        token = int(logits.argmax())
+        assert matcher.consume_token(token), matcher.get_error()
+        return token, matcher.is_stopped()
+
+    return _greedy_loop(prompt_ids, max_new_tokens, model, pick)
+
+
+def _eos_ids(model: Path | None) -> list[int]:
+    eos = _model(model).generation_config.eos_token_id
+    return eos if isinstance(eos, list) else [] if eos is None else [eos]
+
+
+def _greedy_loop(prompt_ids: Sequence[int], max_new_tokens: int, model: Path | None,
+                 pick: Callable[[torch.Tensor, list[int]], tuple[int, bool]]) -> list[int]:
+    """Token by token over transformers' logits (its KV cache carried): `pick(logits, output
+    so far)` gives the next token and whether the output ends with it."""
+    hf = _model(model)
+    # transformers renames forward's KV cache argument (past_key_values -> cache).
     cache_arg = ("cache" if "cache" in inspect.signature(type(hf).forward).parameters
                  else "past_key_values")
     inputs, past = list(prompt_ids), None
@@ -164,16 +174,9 @@ def greedy_constrained(prompt_ids: Sequence[int], max_new_tokens: int, grammar: 
         with torch.no_grad():
             out = hf(torch.tensor([inputs]), **{cache_arg: past}, use_cache=True)
         past = out.cache if hasattr(out, "cache") else out.past_key_values
-        logits = out.logits[0, -1].float().clone()
-        mask = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
-        allowed = torch.zeros(mask.numel() * 8, dtype=torch.bool)
-        for bit in range(8):
-            allowed[bit::8] = (mask >> bit) & 1 == 1
-        logits[~allowed[:logits.numel()]] = float("-inf")
-        token = int(logits.argmax())
-        assert matcher.consume_token(token), matcher.get_error()
-        output.append(token)
+        token, ends = pick(out.logits[0, -1].float().clone(), output)
         inputs = [token]
-        if matcher.is_stopped():
+        output.append(token)
+        if ends:
             break
     return output

@@ -13,15 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from common.server import ServerOptions, start_server
 from gpu_runner.masks import MaskBoard, MissingMasks, check_masks, unpack_masks, words_per_row
 from gpu_runner.merging import merge_requests
 from gpu_runner.runner import ModelRunner
 from gpu_runner.sampler import TokenMasks, sample
-from gpu_runner.servicer import SERVICE_NAME, RunnerServicer, register_handlers
+from gpu_runner.servicer import RunnerServicer
 from protos import runner_pb2, runner_pb2_grpc
 from tests.gpu_runner.test_sampler import fixed_logits, make_params
-from tests.gpu_runner.test_servicer import _one_prompt_request, runner  # noqa: F401
+from tests.gpu_runner.test_servicer import (  # noqa: F401
+    _one_prompt_request,
+    runner,
+    serve_stub,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +34,7 @@ def servicer(runner: ModelRunner) -> RunnerServicer:  # noqa: F811
 
 @pytest.fixture(scope="module")
 def stub(servicer: RunnerServicer) -> Iterator[runner_pb2_grpc.RunnerServiceStub]:
-    service = start_server(
-        ServerOptions(port=0),
-        lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
-        [SERVICE_NAME],
-    )
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    yield runner_pb2_grpc.RunnerServiceStub(channel)
-    channel.close()
-    service.stop(0)
+    yield from serve_stub(servicer)
 
 
 def pack(allowed: np.ndarray) -> bytes:

@@ -39,7 +39,11 @@ def runner(tiny_model_dirs: dict[str, Path]) -> ModelRunner:
 
 @pytest.fixture(scope="module")
 def stub(runner: ModelRunner) -> Iterator[runner_pb2_grpc.RunnerServiceStub]:
-    servicer = RunnerServicer(runner)
+    yield from serve_stub(RunnerServicer(runner))
+
+
+def serve_stub(servicer: RunnerServicer) -> Iterator[runner_pb2_grpc.RunnerServiceStub]:
+    """A stub of `servicer` served on a loopback port, until the generator is closed."""
     service = start_server(
         ServerOptions(port=0),
         lambda server: server.add_generic_rpc_handlers((register_handlers(servicer),)),
