@@ -292,7 +292,7 @@ def hold_runner(servicer: RunnerServicer, seconds: float) -> threading.Thread:
     that batches sent meanwhile queue and run together next."""
     merger = servicer._merger
 
-    def held(_: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
+    def held(_: runner_pb2.ExecuteRequest, parts: object = None) -> runner_pb2.ExecuteResponse:
         time.sleep(seconds)
         return runner_pb2.ExecuteResponse()
 
