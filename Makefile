@@ -63,6 +63,8 @@ bench: setup
 	$(PY) bench/gateway_plane.py
 	$(PY) bench/gateway_replicas.py
 	$(PY) bench/stream_floor.py
+	$(PY) bench/structured_masks.py
+	$(PY) bench/structured.py
 	if test -x $(PEERS_VENV)/bin/python; then $(PY) bench/openai_serve.py; \
 	else echo "openai_serve skipped: run make bench-peers"; fi
 	if test -x $(PEERS_VENV)/bin/guidellm; then $(PY) bench/guidellm_serve.py; \

@@ -12,16 +12,26 @@ runner (gpu_runner/servicer.py, whose `BatchMerger` it uses):
 - a retried (client_id, step_id) gets its first answer again, without a second sleep;
 - FAILED_PRECONDITION for another epoch, INVALID_ARGUMENT for columns of unequal lengths (a
   light check: slots and tables are not compared, see tests/gateway/fake_runner.py for a runner
-  that checks every slot).
+  that checks every slot);
+- token masks (structured output, runner.proto mask_seq_indices / masks / masks_follow, and
+  SupplyMasks): inline masks apply at once; a batch whose masks follow runs its forward's
+  time first and then waits for them (gpu_runner.masks.MaskBoard, 10 s at most) before
+  sampling, as the real runner waits only before sampling; a batch whose masks do not come
+  (or do not fit) fails alone with FAILED_PRECONDITION while the others of its merged forward
+  get their rows (gpu_runner.merging.PartialFailure, as gpu_runner/servicer.py does).
 
 Tokens are deterministic: `sim_token(last token of the row, position of the sampled token,
 seed when temperature > 0)`, never below FIRST_TOKEN, so the EOS id (2) is never produced and
-every generation runs to its max_tokens. A test computes them independently.
+every generation runs to its max_tokens. A test computes them independently. A masked row
+takes the allowed token nearest its sim token instead (`nearest_allowed`; the lower one on a
+tie, EOS included once the format allows nothing else), and keeps its sim token when its
+mask allows nothing (the real sampler leaves such a row unmasked).
 
 `--count N` serves N independent runners (own epoch, gate and retry memory) on ports P .. P+N-1
 in one process: gpu_runner.servicer imports torch (about 2.4 s and 260 MB per process here),
-which N processes would pay N times. Every server has grpc.health.v1 and reflection
-(common.server.start_server).
+which N processes would pay N times. gpu_runner.masks imports torch as well: it is imported at
+the first batch whose masks follow or the first SupplyMasks call, so runs without structured
+output never pay it. Every server has grpc.health.v1 and reflection (common.server.start_server).
 
 `--block-service ADDR` registers every runner with that block service's runner registry and
 renews its lease (common.registration.Registration, as `python -m gpu_runner --block-service`
@@ -39,12 +49,14 @@ import time
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+import numpy as np  # noqa: E402
 from prometheus_client import Counter  # noqa: E402
 
 from common.handlers import lenient_handlers  # noqa: E402
@@ -62,8 +74,16 @@ from common.server import (  # noqa: E402
     server_options_from_args,
     start_server,
 )
-from gpu_runner.merging import BatchError, BatchMerger, PendingStepError  # noqa: E402
+from gpu_runner.merging import (  # noqa: E402
+    BatchError,
+    BatchMerger,
+    PartialFailure,
+    PendingStepError,
+)
 from protos import runner_pb2, runner_pb2_grpc  # noqa: E402
+
+if TYPE_CHECKING:
+    from gpu_runner.masks import MaskBoard
 
 log = logging.getLogger("sim_runner")
 
@@ -72,6 +92,11 @@ SERVICE = runner_pb2.DESCRIPTOR.services_by_name["RunnerService"]
 FORWARDS = Counter("pagewire_sim_runner_forwards_total", "Forwards run (merged batches)")
 ROWS = Counter("pagewire_sim_runner_rows_total", "Sequences in the forwards")
 BUSY_SECONDS = Counter("pagewire_sim_runner_busy_seconds_total", "Time spent in forwards")
+MASKED_ROWS = Counter("pagewire_sim_runner_masked_rows_total",
+                      "Rows sampled under a token mask (structured output)")
+MASK_WAIT_SECONDS = Counter(
+    "pagewire_sim_runner_mask_wait_seconds_total",
+    "Time forwards waited, after their forward time, for masks sent with masks_follow")
 DEFAULT_PORT = 50100
 VOCAB = 32000
 EOS = 2
@@ -137,6 +162,50 @@ def sim_token(last_token: int, position: int, seed: int | None, vocab: int = VOC
     return FIRST_TOKEN + value % (vocab - FIRST_TOKEN)
 
 
+NEAR_WORDS = 4  # mask words either side of a row's sim token looked at first
+
+
+def nearest_allowed(masks: bytes, wanted: Sequence[int], vocab: int = VOCAB) -> list[int]:
+    """Per packed mask row (runner.proto's masks: ceil(vocab / 32) little-endian 32-bit words,
+    bit j of word w allowing token 32 w + j), the allowed token nearest wanted[row], the lower
+    one on a tie; wanted[row] itself when the row allows nothing.
+
+    It runs on every step of a sim runner that shares the machine's cores with the gateway it
+    measures, so it first looks only at the NEAR_WORDS words either side of the wanted
+    token's: a token found there at most 32 x NEAR_WORDS away is the nearest (any token
+    outside is farther). Only the rows where that fails (sparse masks) are unpacked whole."""
+    rows = len(wanted)
+    if not rows:
+        return []
+    words = np.frombuffer(masks, dtype="<u4").reshape(rows, -1)
+    target = np.asarray(wanted, dtype=np.int32)
+    span = 2 * NEAR_WORDS + 1
+    first_word = target // 32 - NEAR_WORDS
+    # Words off either end of the row are read clipped and then left out by position.
+    columns = np.clip(first_word[:, None] + np.arange(span, dtype=np.int32)[None, :], 0,
+                      words.shape[1] - 1)
+    window = words[np.arange(rows)[:, None], columns]
+    bits = np.unpackbits(window.view(np.uint8), axis=1, bitorder="little").view(bool)
+    positions = 32 * first_word[:, None] + np.arange(32 * span, dtype=np.int32)[None, :]
+    bits &= (positions >= 0) & (positions < vocab)
+    # Ties: the lower token comes first in `positions`, and argmin takes the first.
+    distance = np.where(bits, np.abs(positions - target[:, None]), np.iinfo(np.int32).max)
+    best = distance.argmin(axis=1)
+    chosen = positions[np.arange(rows), best]
+    near = distance[np.arange(rows), best] <= 32 * NEAR_WORDS
+    for row in np.flatnonzero(~near):
+        chosen[row] = _nearest_in_row(words[row], int(target[row]), vocab)
+    return chosen.tolist()  # type: ignore[no-any-return]
+
+
+def _nearest_in_row(words: np.ndarray, wanted: int, vocab: int) -> int:
+    """nearest_allowed for one row, unpacked whole."""
+    allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab])
+    if not allowed.size:
+        return wanted
+    return int(allowed[np.abs(allowed - wanted).argmin()])
+
+
 @dataclass(frozen=True)
 class SimShape:
     """What Info describes: the simulated model and KV cache."""
@@ -150,19 +219,34 @@ class SimShape:
 
 class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
     """Answers Execute after the cost model's time; keeps no state but the last answer per
-    client (retries, pending tokens)."""
+    client (retries, pending tokens) and the masks sent ahead of their batch."""
 
     def __init__(self, cost: CostModel, shape: SimShape = SimShape(),
-                 name: str = "sim") -> None:
+                 name: str = "sim", mask_wait_s: float | None = None) -> None:
         self.cost = cost
         self.shape = shape
         self.name = name
         self.epoch = shape.epoch or time.time_ns()
         self._merger = BatchMerger()
         self._lock = threading.Lock()
+        self._mask_wait_s = mask_wait_s  # None: gpu_runner.masks.MASK_WAIT_S
+        self._board: MaskBoard | None = None
         self.executed = 0  # forwards run (retries not counted)
         self.rows = 0  # sequences in them
         self.busy_s = 0.0  # time in them
+        self.masked_rows = 0  # rows sampled under a mask
+        self.mask_wait_s = 0.0  # time forwards waited for masks that follow
+
+    @property
+    def board(self) -> MaskBoard:
+        """The late masks (SupplyMasks), made at first use: gpu_runner.masks imports torch."""
+        with self._lock:
+            if self._board is None:
+                from gpu_runner.masks import MASK_WAIT_S, MaskBoard
+
+                wait_s = MASK_WAIT_S if self._mask_wait_s is None else self._mask_wait_s
+                self._board = MaskBoard(wait_s)
+            return self._board
 
     def Info(self, request: runner_pb2.InfoRequest, context: grpc.ServicerContext
              ) -> runner_pb2.InfoResponse:
@@ -179,8 +263,9 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"batch built for epoch {request.epoch}, the runner's is "
                           f"{self.epoch} (its KV cache was lost: rebuild the sequences)")
-        if request.after_step_id and not request.client_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_step_id needs a client_id")
+        if (request.after_step_id or request.masks_follow) and not request.client_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "after_step_id and masks_follow need a client_id")
         try:
             return self._merger.run(request, self._check, self._forward)
         except PendingStepError as error:
@@ -189,27 +274,82 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         raise AssertionError("unreachable: abort raises")
 
-    def _forward(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
-        """The simulated forward of a (merged) batch: its answer after the cost model's time."""
+    def SupplyMasks(self, request: runner_pb2.SupplyMasksRequest,
+                    context: grpc.ServicerContext) -> runner_pb2.SupplyMasksResponse:
+        if not request.client_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "SupplyMasks needs a client_id")
+        self.board.put(request.client_id, request.step_id, request.masks)
+        return runner_pb2.SupplyMasksResponse()
+
+    def _forward(self, request: runner_pb2.ExecuteRequest,
+                 parts: list[runner_pb2.ExecuteRequest]) -> runner_pb2.ExecuteResponse:
+        """The simulated forward of a (merged) batch of `parts`: its answer after the cost
+        model's time. Masks that follow are waited for once that time has passed, as the real
+        runner waits for them before sampling; a part whose masks do not come fails alone
+        (PartialFailure)."""
         started = time.perf_counter()
         decode_rows, prefill_tokens = self._sizes(request)
-        answer = self._sample(request)
         forward_s = self.cost.step_time_s(decode_rows, prefill_tokens)
+        failed: dict[int, BaseException] = {}
+        wait_s = 0.0
+        if request.masks_follow:
+            _sleep_until(started + forward_s)
+            waited = time.perf_counter()
+            masks = self._gather_masks(parts, failed)
+            wait_s = time.perf_counter() - waited
+        else:
+            masks = bytes(request.masks)
+        sampled = time.perf_counter()
+        answer = self._sample(request, masks)
+        # Sampling as the real runner reports it: with its wait for masks that follow.
+        answer.sample_ms = (time.perf_counter() - sampled + wait_s) * 1e3
         # What is left of the forward's time after the work above.
-        remaining = started + forward_s - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+        _sleep_until(started + forward_s)
         answer.forward_ms = forward_s * 1e3
         answer.total_ms = (time.perf_counter() - started) * 1e3
-        busy_s = time.perf_counter() - started
+        self._count(request, time.perf_counter() - started, wait_s)
+        if failed:
+            raise PartialFailure(answer, failed)
+        return answer
+
+    def _count(self, request: runner_pb2.ExecuteRequest, busy_s: float, wait_s: float) -> None:
+        masked = len(request.mask_seq_indices)
         with self._lock:
             self.executed += 1
             self.rows += len(request.num_new_tokens)
             self.busy_s += busy_s
+            self.masked_rows += masked
+            self.mask_wait_s += wait_s
         FORWARDS.inc()
         ROWS.inc(len(request.num_new_tokens))
         BUSY_SECONDS.inc(busy_s)
-        return answer
+        MASKED_ROWS.inc(masked)
+        MASK_WAIT_SECONDS.inc(wait_s)
+
+    def _gather_masks(self, parts: list[runner_pb2.ExecuteRequest],
+                      failed: dict[int, BaseException]) -> bytes:
+        """The merged batch's masks in order: inline ones as sent, late ones from the board.
+        A part whose masks do not come in time or do not fit its rows is sampled unmasked
+        (all bits set) and named in `failed`, so that it alone fails."""
+        from gpu_runner.masks import MissingMasks, check_masks, words_per_row
+
+        vocab = self.shape.vocab_size
+        chunks = []
+        for index, part in enumerate(parts):
+            rows = len(part.mask_seq_indices)
+            if not rows:
+                continue
+            if not part.masks_follow:
+                chunks.append(bytes(part.masks))
+                continue
+            try:
+                data = self.board.take(part.client_id, part.step_id)
+                check_masks(data, rows, vocab, f"the masks of step {part.step_id}")
+            except (MissingMasks, ValueError) as error:
+                failed[index] = PendingStepError(str(error))
+                data = b"\xff" * (rows * words_per_row(vocab) * 4)
+            chunks.append(data)
+        return b"".join(chunks)
 
     def _check(self, request: runner_pb2.ExecuteRequest) -> None:
         """Column lengths only (BatchError)."""
@@ -236,6 +376,27 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
             raise BatchError("copy sources and destinations differ in number")
         if min(counts, default=1) < 1:
             raise BatchError("every row needs at least one new token")
+        self._check_masks(request)
+
+    def _check_masks(self, request: runner_pb2.ExecuteRequest) -> None:
+        """Masked rows: distinct, sampled; masks inline (one row each) or following."""
+        indices = list(request.mask_seq_indices)
+        if not indices:
+            if request.masks or request.masks_follow:
+                raise BatchError("masks / masks_follow without mask_seq_indices")
+            return
+        if len(set(indices)) != len(indices) or max(indices) >= len(request.num_new_tokens):
+            raise BatchError("mask_seq_indices must be distinct rows of the batch")
+        if not all(request.do_sample[i] for i in indices):
+            raise BatchError("mask_seq_indices names a row without do_sample")
+        if request.masks_follow:
+            if request.masks:
+                raise BatchError("masks_follow with inline masks: send one or the other")
+            return
+        expected = len(indices) * -(-self.shape.vocab_size // 32) * 4
+        if len(request.masks) != expected:
+            raise BatchError(f"masks has {len(request.masks)} bytes; {len(indices)} row(s) "
+                             f"take {expected}")
 
     @staticmethod
     def _sizes(request: runner_pb2.ExecuteRequest) -> tuple[int, int]:
@@ -244,19 +405,28 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
         decode_rows = sum(1 for count in counts if count == 1)
         return decode_rows, len(request.token_ids) - decode_rows
 
-    def _sample(self, request: runner_pb2.ExecuteRequest) -> runner_pb2.ExecuteResponse:
-        """One token per row with do_sample, in row order."""
+    def _sample(self, request: runner_pb2.ExecuteRequest, masks: bytes = b""
+                ) -> runner_pb2.ExecuteResponse:
+        """One token per row with do_sample, in row order; masked rows (`masks`, one packed
+        row per entry of mask_seq_indices) take the allowed token nearest their sim token."""
         tokens: list[int] = []
         vocab = self.shape.vocab_size
         token_ids = request.token_ids
         end = 0
-        for count, start, sample, temperature, seed in zip(
+        sampled_row: dict[int, int] = {}  # batch row -> index into tokens
+        for row, (count, start, sample, temperature, seed) in enumerate(zip(
                 request.num_new_tokens, request.start_positions, request.do_sample,
-                request.temperatures, request.seeds, strict=True):
+                request.temperatures, request.seeds, strict=True)):
             end += count
             if sample:
+                sampled_row[row] = len(tokens)
                 tokens.append(sim_token(token_ids[end - 1], start + count,
                                         seed if temperature > 0 else None, vocab))
+        if request.mask_seq_indices:
+            where = [sampled_row[row] for row in request.mask_seq_indices]
+            chosen = nearest_allowed(masks, [tokens[i] for i in where], vocab)
+            for index, token in zip(where, chosen, strict=True):
+                tokens[index] = token
         answer = runner_pb2.ExecuteResponse(token_ids=tokens, epoch=self.epoch)
         if request.num_logprobs:
             sampled = [k for k, sample in zip(request.num_logprobs, request.do_sample,
@@ -275,6 +445,12 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
         return PoolShape(self.shape.num_blocks, self.shape.block_size, self.epoch)
 
 
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
 def registrar(runner: SimRunner) -> Callable[[grpc.Server], None]:
     """The `register` callback of common.server.start_server for one runner; a request that
     does not parse gets INVALID_ARGUMENT, as from the real runner."""
@@ -285,12 +461,13 @@ def registrar(runner: SimRunner) -> Callable[[grpc.Server], None]:
 
 
 def serve(options: ServerOptions, cost: CostModel, shape: SimShape = SimShape(),
-          count: int = 1) -> list[tuple[GrpcService, SimRunner]]:
+          count: int = 1, mask_wait_s: float | None = None
+          ) -> list[tuple[GrpcService, SimRunner]]:
     """Starts `count` simulated runners on ports options.port, +1, ... (every one on a port
     the OS chooses when options.port is 0); metrics, if any, on the first one's port."""
     started = []
     for index in range(count):
-        runner = SimRunner(cost, shape)
+        runner = SimRunner(cost, shape, mask_wait_s=mask_wait_s)
         port = options.port + index if options.port else 0
         service = start_server(
             replace(options, port=port, metrics_port=options.metrics_port if index == 0 else 0),
@@ -314,6 +491,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=VOCAB)
     parser.add_argument("--epoch", type=int, default=0,
                         help="the runners' epoch (0: from the clock at start)")
+    parser.add_argument("--mask-wait-s", type=float, default=None,
+                        help="how long a batch waits for masks that follow (default: the "
+                             "real runner's, gpu_runner.masks.MASK_WAIT_S)")
     parser.add_argument("--log-level", default=None)
     add_registration_arguments(parser)
     args = parser.parse_args(argv)
@@ -330,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("sim_runner", args.log_level)
     shape = SimShape(args.num_blocks, args.block_size, args.max_model_len, args.vocab_size,
                      args.epoch)
-    started = serve(options, CostModel.for_decode_step(args.step_ms / 1e3), shape, args.count)
+    started = serve(options, CostModel.for_decode_step(args.step_ms / 1e3), shape, args.count,
+                    args.mask_wait_s)
     log.info("%d simulated runner(s) on ports %s", len(started),
              ", ".join(str(service.port) for service, _ in started))
 
