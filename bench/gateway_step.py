@@ -64,8 +64,10 @@ class Loop:
         self.tokenizer = load_tokenizer(None)
         rng = random.Random(seed)
         self.rng = rng
-        # The loop's own take-samples step, on a stand-in with just what it reads.
-        self.loop: Any = SimpleNamespace(_requests={}, scheduler=self.scheduler)
+        # The loop's own take-samples step, on a stand-in with just what it reads (no step in
+        # flight behind this one: no late masks to send).
+        self.loop: Any = SimpleNamespace(_requests={}, scheduler=self.scheduler,
+                                         _send_late_masks=lambda: None)
         self.rows: dict[str, SamplingRow] = {}
         for i in range(rows):
             params = SamplingConfig(max_tokens=1 << 20, ignore_eos=True)

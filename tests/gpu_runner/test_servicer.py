@@ -184,7 +184,7 @@ def test_the_model_loads_on_the_thread_that_runs_its_batches(
         threads["load"] = threading.get_ident()
         return runner
 
-    def execute(batch: ExecuteBatch) -> ExecuteResult:
+    def execute(batch: ExecuteBatch, late_masks: object = None) -> ExecuteResult:
         threads["execute"] = threading.get_ident()
         return original_execute(batch)
 
