@@ -795,7 +795,11 @@ def sim_stage(args: argparse.Namespace, save: Callable[[], None], record: dict[s
         except Exception as error:  # the other points still run; the bench fails at its end
             traceback.print_exc()
             point["status"] = f"failed: {error!r}"
-        save()
+        except BaseException as error:  # SIGTERM (exit_on_sigterm), Ctrl-C
+            point["status"] = f"interrupted: {error!r}"
+            raise
+        finally:
+            save()
 
 
 def sim_point(args: argparse.Namespace, batch: int, point: dict[str, Any],
@@ -1037,6 +1041,9 @@ def run_engine(engine: str, args: argparse.Namespace, model_dir: Path, cases: Se
         traceback.print_exc()
         record["status"] = f"failed: {error!r}"
         record["log_tail"] = server.log_tail()
+    except BaseException as error:  # SIGTERM (exit_on_sigterm), Ctrl-C: said so, then out
+        record["status"] = f"interrupted: {error!r}"
+        raise
     finally:
         server.stop()
         save()
