@@ -29,9 +29,8 @@ mask allows nothing (the real sampler leaves such a row unmasked).
 
 `--count N` serves N independent runners (own epoch, gate and retry memory) on ports P .. P+N-1
 in one process: gpu_runner.servicer imports torch (about 2.4 s and 260 MB per process here),
-which N processes would pay N times. gpu_runner.masks imports torch as well: it is imported at
-the first batch whose masks follow or the first SupplyMasks call, so runs without structured
-output never pay it. Every server has grpc.health.v1 and reflection (common.server.start_server).
+which N processes would pay N times (gpu_runner.masks, the mask board, imports none). Every
+server has grpc.health.v1 and reflection (common.server.start_server).
 
 `--block-service ADDR` registers every runner with that block service's runner registry and
 renews its lease (common.registration.Registration, as `python -m gpu_runner --block-service`
@@ -239,7 +238,7 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
 
     @property
     def board(self) -> MaskBoard:
-        """The late masks (SupplyMasks), made at first use: gpu_runner.masks imports torch."""
+        """The late masks (SupplyMasks), made at first use."""
         with self._lock:
             if self._board is None:
                 from gpu_runner.masks import MASK_WAIT_S, MaskBoard
@@ -295,7 +294,7 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
         if request.masks_follow:
             _sleep_until(started + forward_s)
             waited = time.perf_counter()
-            masks = self._gather_masks(parts, failed)
+            masks = self.board.gather(parts, self.shape.vocab_size, failed)
             wait_s = time.perf_counter() - waited
         else:
             masks = bytes(request.masks)
@@ -325,31 +324,6 @@ class SimRunner(runner_pb2_grpc.RunnerServiceServicer):
         BUSY_SECONDS.inc(busy_s)
         MASKED_ROWS.inc(masked)
         MASK_WAIT_SECONDS.inc(wait_s)
-
-    def _gather_masks(self, parts: list[runner_pb2.ExecuteRequest],
-                      failed: dict[int, BaseException]) -> bytes:
-        """The merged batch's masks in order: inline ones as sent, late ones from the board.
-        A part whose masks do not come in time or do not fit its rows is sampled unmasked
-        (all bits set) and named in `failed`, so that it alone fails."""
-        from gpu_runner.masks import MissingMasks, check_masks, words_per_row
-
-        vocab = self.shape.vocab_size
-        chunks = []
-        for index, part in enumerate(parts):
-            rows = len(part.mask_seq_indices)
-            if not rows:
-                continue
-            if not part.masks_follow:
-                chunks.append(bytes(part.masks))
-                continue
-            try:
-                data = self.board.take(part.client_id, part.step_id)
-                check_masks(data, rows, vocab, f"the masks of step {part.step_id}")
-            except (MissingMasks, ValueError) as error:
-                failed[index] = PendingStepError(str(error))
-                data = b"\xff" * (rows * words_per_row(vocab) * 4)
-            chunks.append(data)
-        return b"".join(chunks)
 
     def _check(self, request: runner_pb2.ExecuteRequest) -> None:
         """Column lengths only (BatchError)."""

@@ -3,9 +3,10 @@
 A caller that constrains a row's next token sends a packed bitmask row for it: with the batch,
 or, when the mask depends on the token the batch before it is still sampling, in a later
 SupplyMasks call (masks_follow). The runner starts the forward at once and waits for late
-masks only before sampling (`MaskBoard.take`), so the caller fills them while the forward
+masks only before sampling (`MaskBoard.gather`), so the caller fills them while the forward
 runs. The runner keeps no grammar: a mask is bits, applied to the raw logits before anything
-else (gpu_runner/sampler.py).
+else (gpu_runner/sampler.py `unpack_masks`, `masked`). No torch here: the simulated runner
+(bench/sim_runner.py) uses the board too.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
-import numpy as np
-import torch
+from gpu_runner.merging import PendingStepError
+from protos import runner_pb2
 
 # How long the sampling of a batch waits for masks sent with masks_follow (runner.proto).
 MASK_WAIT_S = 10.0
@@ -39,26 +39,6 @@ def check_masks(data: bytes, num_rows: int, vocab_size: int, what: str = "masks"
     if len(data) != expected:
         raise ValueError(f"{what} has {len(data)} bytes; {num_rows} row(s) of "
                          f"{words_per_row(vocab_size)} 32-bit words take {expected}")
-
-
-def unpack_masks(data: bytes, num_rows: int, vocab_size: int, device: torch.device
-                 ) -> torch.Tensor:
-    """Packed rows -> bool [num_rows, vocab_size], True where the token is allowed."""
-    packed = np.frombuffer(data, dtype=np.uint8).reshape(num_rows, -1)
-    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(bits.astype(np.bool_)).to(device)
-
-
-@dataclass(frozen=True)
-class MaskPart:
-    """One client batch's masks within a merged forward: inline, or to be taken from the
-    board under (client_id, step_id)."""
-
-    num_rows: int
-    inline: bytes
-    client_id: str = ""
-    step_id: int = 0
-    follows: bool = False
 
 
 class MaskBoard:
@@ -90,7 +70,25 @@ class MaskBoard:
                 self._changed.wait(left)
             return self._masks.pop(key)
 
-    def gather(self, parts: list[MaskPart]) -> bytes:
-        """Every part's masks in order, late ones taken from the board."""
-        return b"".join(self.take(p.client_id, p.step_id) if p.follows else p.inline
-                        for p in parts)
+    def gather(self, parts: list[runner_pb2.ExecuteRequest], vocab_size: int,
+               failed: dict[int, BaseException]) -> bytes:
+        """The masks of a merged forward's batches, in order: inline ones as sent, late ones
+        taken from the board. A batch whose masks do not come in time (or do not fit its
+        rows) is sampled unmasked (every bit set) and named in `failed` (its index in
+        `parts`), so that it alone fails."""
+        chunks = []
+        for index, part in enumerate(parts):
+            rows = len(part.mask_seq_indices)
+            if not rows:
+                continue
+            if not part.masks_follow:
+                chunks.append(bytes(part.masks))
+                continue
+            try:
+                data = self.take(part.client_id, part.step_id)
+                check_masks(data, rows, vocab_size, f"the masks of step {part.step_id}")
+            except (MissingMasks, ValueError) as error:
+                failed[index] = PendingStepError(str(error))
+                data = b"\xff" * (rows * words_per_row(vocab_size) * 4)
+            chunks.append(data)
+        return b"".join(chunks)

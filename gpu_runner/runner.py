@@ -55,9 +55,8 @@ from gpu_runner.layers.linear import (
     resolve_linear_backend,
 )
 from gpu_runner.loader import load_model
-from gpu_runner.masks import unpack_masks
 from gpu_runner.models.llama import LlamaForCausalLM
-from gpu_runner.sampler import SamplerOutput, TokenMasks, sample
+from gpu_runner.sampler import SamplerOutput, TokenMasks, sample, unpack_masks
 
 log = logging.getLogger(__name__)
 

@@ -189,6 +189,14 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
     return _with_logprobs(logits, token_ids, params.num_logprobs.to(device, torch.int64))
 
 
+def unpack_masks(data: bytes, num_rows: int, vocab_size: int, device: torch.device
+                 ) -> torch.Tensor:
+    """runner.proto's packed mask rows -> bool [num_rows, vocab_size], True where allowed."""
+    packed = np.frombuffer(data, dtype=np.uint8).reshape(num_rows, -1)
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.astype(np.bool_)).to(device)
+
+
 @contextmanager
 def masked(logits: torch.Tensor, masks: TokenMasks | None) -> Iterator[None]:
     """Within the block, the masked rows of ``logits`` hold -inf at every token their mask

@@ -31,7 +31,7 @@ import numpy as np
 from common.handlers import lenient_handlers
 from gpu_runner.batch import ExecuteBatch, validate_batch
 from gpu_runner.distributed import WorkerLostError
-from gpu_runner.masks import MaskBoard, MissingMasks, check_masks, words_per_row
+from gpu_runner.masks import MaskBoard
 from gpu_runner.merging import BatchError, BatchMerger, PartialFailure, PendingStepError
 from gpu_runner.recorder import BatchRecorder
 from gpu_runner.runner import ExecuteResult, ModelRunner
@@ -139,7 +139,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         failed: dict[int, BaseException] = {}
 
         def late_masks() -> bytes:
-            return self._gather_masks(parts, runner.limits.vocab_size, failed)
+            return self._masks.gather(parts, runner.limits.vocab_size, failed)
 
         result = self._forward_thread.submit(runner.execute, ExecuteBatch.from_proto(merged),
                                              late_masks if merged.masks_follow else None
@@ -148,27 +148,6 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         if failed:
             raise PartialFailure(answer, failed)
         return answer
-
-    def _gather_masks(self, parts: list[runner_pb2.ExecuteRequest], vocab_size: int,
-                      failed: dict[int, BaseException]) -> bytes:
-        """The merged batch's masks in order, late ones from SupplyMasks. A batch whose masks
-        do not come (or do not fit) is sampled unmasked and fails alone (failed[i])."""
-        chunks = []
-        for i, part in enumerate(parts):
-            num_rows = len(part.mask_seq_indices)
-            if not num_rows:
-                continue
-            if not part.masks_follow:
-                chunks.append(part.masks)
-                continue
-            try:
-                data = self._masks.take(part.client_id, part.step_id)
-                check_masks(data, num_rows, vocab_size, f"the masks of step {part.step_id}")
-            except (MissingMasks, ValueError) as error:
-                failed[i] = PendingStepError(str(error))
-                data = b"\xff" * (num_rows * words_per_row(vocab_size) * 4)
-            chunks.append(data)
-        return b"".join(chunks)
 
 
 class _CallEnded(Exception):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_runner.masks import MaskBoard, MissingMasks, check_masks, unpack_masks, words_per_row
+from gpu_runner.masks import MaskBoard, MissingMasks, check_masks, words_per_row
 from gpu_runner.merging import merge_requests
 from gpu_runner.runner import ModelRunner
-from gpu_runner.sampler import TokenMasks, sample
+from gpu_runner.sampler import TokenMasks, sample, unpack_masks
 from gpu_runner.servicer import RunnerServicer
 from protos import runner_pb2, runner_pb2_grpc
 from tests.gpu_runner.test_sampler import fixed_logits, make_params
