@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gateway.sequence import SeqStatus, Sequence
+from gateway.sequence import FirstBlock, SeqStatus, Sequence
+
+# How many first blocks the scheduler remembers as computed (a key is a salt and block_size
+# token ids): enough for the system prompts of a busy server, bounded for a long-lived one.
+MAX_COMPUTED_FIRST_BLOCKS = 4096
 
 
 class OpOutcome(enum.Enum):
@@ -157,6 +161,9 @@ class Scheduler:
         self._block_seq_ids = itertools.count(1)
         self._preempted_last_step = False
         self.num_preemptions = 0
+        # First blocks an Execute has computed (so published, unless evicted since): a prompt
+        # starting with one gets it from the prefix cache and holds nobody back.
+        self._computed_first_blocks: OrderedDict[FirstBlock, None] = OrderedDict()
 
     # ----- queue changes -------------------------------------------------------------------
 
@@ -205,6 +212,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
         self.running = []
         self._pending_frees = []
+        self._computed_first_blocks.clear()
         return requeued
 
     @property
@@ -281,13 +289,8 @@ class Scheduler:
             need_seats = 1 + len(seq.pending_children)
             if need_seats > seats:
                 break  # FCFS: nobody overtakes the head of the queue
-            key = seq.first_block(self.block_size)
-            if key in computing:
-                # Its prompt starts like one whose first block is being computed and is not
-                # in the prefix cache yet: admitted a step or two later, it reuses it.
+            if self._waits_for_prefix(seq, computing):
                 break
-            if key is not None:
-                computing.add(key)
             self.waiting.popleft()
             seq.block_seq_id = next(self._block_seq_ids)
             # The prefix-cache hit is unknown until the block service answers, so the grant
@@ -296,6 +299,36 @@ class Scheduler:
             plan.allocates.append(Grant(seq, grant))
             budget -= grant
             seats -= need_seats
+
+    def _waits_for_prefix(self, seq: Sequence, computing: dict[FirstBlock, list[int]]) -> bool:
+        """Whether the queue head waits for a prefix that a running prompt (or one admitted in
+        this step) is computing and has not confirmed: admitted a step or two later, it would
+        take that prefix from the cache instead of computing it again.
+
+        Only a prompt that is mostly that prefix waits: recomputing the prefix would then more
+        than double its own work. A prompt that merely starts alike (a chat template's first
+        block before different questions) is admitted at once, as many per step as the budget
+        holds; waiting would cost it two steps to save a block or two.
+        """
+        key = seq.first_block(self.block_size)
+        if key is None or key in self._computed_first_blocks:
+            return False  # nothing to share, or the first block is in the cache already
+        other = computing.get(key)
+        if other is None:
+            computing[key] = seq.token_ids
+            return False
+        return 2 * self._shared_blocks_len(seq, other) >= seq.alloc_len
+
+    def _shared_blocks_len(self, seq: Sequence, other: list[int]) -> int:
+        """How many of `seq`'s leading tokens, in whole blocks short of its last token, are
+        `other`'s too (both have the same salt: their first blocks matched)."""
+        size = self.block_size
+        mine = seq.token_ids
+        limit = min(seq.num_tokens - 1, len(other)) // size * size
+        shared = size  # the first block matched
+        while shared < limit and mine[shared:shared + size] == other[shared:shared + size]:
+            shared += size
+        return shared
 
     # ----- results -------------------------------------------------------------------------
 
@@ -387,18 +420,20 @@ class Scheduler:
         seq.prefill_slots = list(result.slots)
         seq.admit_order = next(self._admit_counter)
         seq.status = SeqStatus.RUNNING
+        if result.num_cached_tokens >= self.block_size > 0:
+            self._first_block_computed(seq)  # by another replica, or before an eviction
         if seq.num_cached_at_admission is None:
             seq.num_cached_at_admission = result.num_cached_tokens
             outcome.newly_cached.append((seq, result.num_cached_tokens))
         self.running.append(seq)
         admitted.append(grant)
 
-    def _first_blocks_computing(self) -> set[tuple[str, tuple[int, ...]]]:
-        """First blocks of running prompts that are being computed and not yet confirmed:
-        the block service publishes a block once an Execute that computed it has returned,
-        so a prompt admitted meanwhile would compute the same block again."""
+    def _first_blocks_computing(self) -> dict[FirstBlock, list[int]]:
+        """The prompts of running sequences whose first block is being computed and not yet
+        confirmed, by that block: the block service publishes a block once an Execute that
+        computed it has returned, so a prompt admitted meanwhile would compute it again."""
         size = self.block_size
-        return {key for seq in self.running
+        return {key: seq.token_ids for seq in self.running
                 if seq.num_computed < size <= seq.num_scheduled
                 and (key := seq.first_block(size)) is not None}
 
@@ -470,12 +505,25 @@ class Scheduler:
 
     def on_executed(self, work: list[Work]) -> None:
         """The runner wrote the KV of every token in `work` (and sampled what it samples)."""
+        size = self.block_size
         for item in work:
             seq = item.seq
             if seq.block_seq_id != item.block_seq_id:
                 continue  # preempted or reset meanwhile: that allocation is gone
             seq.num_computed = max(seq.num_computed, item.start + item.num_tokens)
             seq.num_pending -= item.do_sample
+            if item.start < size <= item.start + item.num_tokens:
+                self._first_block_computed(seq)
+
+    def _first_block_computed(self, seq: Sequence) -> None:
+        key = seq.first_block(self.block_size)
+        if key is None:
+            return
+        computed = self._computed_first_blocks
+        computed[key] = None
+        computed.move_to_end(key)
+        if len(computed) > MAX_COMPUTED_FIRST_BLOCKS:
+            computed.popitem(last=False)
 
     def _queue_free(self, seq: Sequence) -> None:
         if seq.block_seq_id:

@@ -13,6 +13,9 @@ import enum
 import sys
 from dataclasses import dataclass, field
 
+# What a prompt's first cached block would hold: its cache salt and first block_size tokens.
+FirstBlock = tuple[str, tuple[int, ...]]
+
 
 class SeqStatus(enum.Enum):
     """Where a sequence is in its life."""
@@ -113,7 +116,7 @@ class Sequence:
             return self.num_tokens - 1
         return self.num_tokens
 
-    def first_block(self, block_size: int) -> tuple[str, tuple[int, ...]] | None:
+    def first_block(self, block_size: int) -> FirstBlock | None:
         """Its salt and first `block_size` tokens: what its first cached block would hold
         (None when it has no full block to share)."""
         if not 0 < block_size < self.num_tokens:

@@ -349,6 +349,52 @@ def test_prompts_without_a_full_first_block_in_common_are_admitted_together() ->
     assert [g.seq for g in scheduler.schedule().allocates] == [a, b, salted, short]
 
 
+def test_prompts_that_only_start_alike_are_admitted_in_one_step() -> None:
+    """A chat template's first block before different questions: waiting would save a block
+    per prompt and cost each two steps, so as many are admitted as the budget holds (a wave
+    of chat requests once got its first tokens one step apart, one request after another)."""
+    scheduler = Scheduler(max_num_batched_tokens=1000, max_num_seqs=16, block_size=BLOCK)
+    seqs = [make_seq(f"c{i}", 40) for i in range(8)]
+    for i, seq in enumerate(seqs):
+        seq.token_ids[BLOCK:] = [1000 * (i + 1) + t for t in range(40 - BLOCK)]
+    scheduler.add(seqs)
+    assert [g.seq for g in scheduler.schedule().allocates] == seqs
+
+
+def test_prompts_waiting_for_a_prefix_are_admitted_together_once_it_is_computed() -> None:
+    """Prompts that are mostly one shared prefix wait for its first computation, then all
+    take it from the cache in the same step: not one admission per step."""
+    scheduler = Scheduler(max_num_batched_tokens=1000, max_num_seqs=16, block_size=BLOCK)
+    shared = 8 * BLOCK
+    seqs = [make_seq(f"w{i}", shared + 3) for i in range(6)]
+    for i, seq in enumerate(seqs):
+        seq.token_ids[shared:] = [1000 * (i + 1), 1000 * (i + 1) + 1, 1000 * (i + 1) + 2]
+    scheduler.add(seqs)
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == seqs[:1]
+    in_flight = scheduler.apply_results(plan, ok_results(plan)).work
+    plan = scheduler.schedule()  # the prefix is being computed: everyone else waits
+    assert plan.allocates == []
+    scheduler.apply_results(plan, decode_results(plan))
+    scheduler.on_executed(in_flight)
+    seqs[0].token_ids.append(7)
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == seqs[1:]
+
+
+def test_a_prompt_whose_first_block_was_a_cache_hit_holds_nobody_back() -> None:
+    """A first block another replica computed (a cache hit at admission) is known computed:
+    prompts starting with it are admitted without waiting for anything."""
+    scheduler = Scheduler(max_num_batched_tokens=1000, max_num_seqs=16, block_size=BLOCK)
+    first = make_seq("a", 3 * BLOCK)
+    scheduler.add([first])
+    plan = scheduler.schedule()
+    scheduler.apply_results(plan, ok_results(plan, cached=2 * BLOCK))
+    alike = [make_seq(f"b{i}", 3 * BLOCK + 1) for i in range(3)]
+    scheduler.add(alike)
+    assert [g.seq for g in scheduler.schedule().allocates] == alike
+
+
 def test_execute_block_tables_follow_every_table_change() -> None:
     """Execute's block tables travel pre-encoded per sequence (step_builder.table_wire): after
     appends that add a block, keep the table or replace a block in the middle (copy on write),
