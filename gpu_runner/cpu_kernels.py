@@ -196,6 +196,16 @@ def _cpu_has_bf16() -> bool:
     return any(flag in flags for flag in _BF16_FLAGS)
 
 
+@functools.cache
+def wide_vectors() -> bool:
+    """True when the kernels were built for AVX-512, whose 32 registers each hold one of
+    their 16-lane vectors: the register tiles are sized for it. Built for AVX2 (16 registers,
+    two per vector) the attention kernel's prefill tiles spill and run 3-4x slower than
+    torch's SDPA, and the panels lose to MKL from 16 rows on (bench/cpu_attention.py,
+    bench/linear.py on an AVX2-only EPYC)."""
+    return available() and _require().vector_registers() == 1
+
+
 def kernel_dtype(dtype: torch.dtype) -> bool:
     """True when the attention and panel kernels serve `dtype`: float32, and bfloat16 on a
     CPU that multiplies it natively (elsewhere bfloat16 stays on plain torch)."""

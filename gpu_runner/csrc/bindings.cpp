@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "elementwise.h"
+#include "lanes.h"
 #include "paged_attention.h"
 #include "panel_linear.h"
 
@@ -19,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotate_half", &rotate_half,
         "x * cos + rotate_half(x) * sin for x [tokens, heads, dim] (float32 or bfloat16, CPU)",
         py::arg("x"), py::arg("cos"), py::arg("sin"));
+  m.def("vector_registers", [] { return pagewire::lanes::kParts; },
+        "SIMD registers per 16-lane vector in this build: 1 with AVX-512, 2 with AVX2, 4 "
+        "below");
   m.def("pack_panels", &pack_panels, "weight [N, K] -> its panels (see panel_linear.h)",
         py::arg("weight"));
   m.def("panel_linear", &panel_linear,

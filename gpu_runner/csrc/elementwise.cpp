@@ -193,20 +193,10 @@ namespace {
 #pragma GCC optimize("fp-contract=off")
 // The rotation in kLanes-wide vectors, read from and written to T: in bfloat16 a loop over
 // scalars did not vectorise (6x slower than torch).
-// v rounded to bfloat16, ties to even (no NaN can arise from finite rotary inputs; a NaN
-// input stays a NaN, possibly with another payload).
-inline Vec round_lanes_bf16(Vec v) {
-  Bits u;
-  std::memcpy(&u, &v, sizeof(u));
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-
 template <typename T>
 inline Vec rounded_lanes(Vec v) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return round_lanes_bf16(v);
+    return round_bf16(v);
   } else {
     return v;
   }

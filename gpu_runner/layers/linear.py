@@ -9,15 +9,16 @@ The kernels (`Gemm`), CPU float32:
 - PANELS: the C++ panel kernel (gpu_runner/cpu_kernels.py, csrc/panel_linear.cpp), which streams
   the weight from memory while it computes. A copy of the weight in its layout.
 
-MKL picks its code path by CPU vendor: on AMD it runs without AVX-512, and the panels are then
-~2x faster than either MKL path at every row count (bench/linear.py). oneDNN's matmul is as
+MKL picks its code path by CPU vendor: on an AMD CPU with AVX-512 it runs without it, and the
+panels are then ~2x faster than either MKL path at every row count (bench/linear.py); on one
+with AVX2 only, only up to 8 rows (`panel_rows`). oneDNN's matmul is as
 fast as the panels there but is not used: it builds and caches a primitive per row count, ~1 MB
 each, and a server sees every row count (docs/gpu_runner.md).
 
 Which is fastest depends on the CPU, the row count and the weight's shape, so above the
 panels' rows it is measured once per weight shape (N, K) at load, over power-of-two row
 buckets (`tune_policy`), and each call rounds its row count up to a bucket and looks it up.
-At PANEL_ROWS (decode batches) the panels are used without a measurement: every decode step
+At `panel_rows()` (decode batches) the panels are used without a measurement: every decode step
 reads all the weights, which do not fit in the cache, and a load-time measurement repeats one
 weight, which then sits in the cache, the one case where the panels have no edge.
 
@@ -28,7 +29,7 @@ CPU bfloat16 (where the CPU multiplies bfloat16: `cpu_kernels.kernel_dtype`): PL
 oneDNN's bfloat16 GEMM (AVX512_BF16 / AMX); PANELS multiply pairs of bfloat16 with VDPBF16PS
 where the kernel is built with AVX512_BF16 (else they widen the weights to float32 as they
 stream), at half float32's bytes. MKL has no bfloat16 packing. As in float32 the panels take
-PANEL_ROWS unmeasured; above, the two are measured. The 120 decoder projections of SmolLM2
+`panel_rows()` unmeasured; above, the two are measured. The 120 decoder projections of SmolLM2
 cold, 2 threads, ms per pass (a loop like bench/linear.py's, 2026-12-02, the EPYC VM):
 
 | rows | oneDNN bf16 | panels bf16 | panels float32 |
@@ -65,10 +66,14 @@ log = logging.getLogger(__name__)
 # the test suite's services run, where the kernel choice is not what a test checks); packed =
 # MKL-packed for every row count up to the last bucket (no measurement, no panels); plain = off.
 LINEAR_BACKENDS = ("auto", "panels", "packed", "plain")
-# The row counts that go through the panel kernel unmeasured (bench/linear.py: faster than
-# every other kernel here on the EPYC VM, 1.5-3.5x; on the Xeon VM 8-24 % faster than
-# MKL-packed from 4 to 64 rows and 2-10 % slower at 1-2).
-PANEL_ROWS = range(1, 65)  # both dtypes (bfloat16: the table in the docstring)
+# The row counts that go through the panel kernel unmeasured (`panel_rows`). Built for
+# AVX-512 (bench/linear.py: faster than every other kernel on the AVX-512 EPYC VM, 1.5-3.5x;
+# on the Xeon VM 8-24 % faster than MKL-packed from 4 to 64 rows and 2-10 % slower at 1-2),
+# both dtypes (bfloat16: the table in the docstring). Built for AVX2, its 8-row tiles spill
+# half their accumulators: on the AVX2-only EPYC (2026-12-07) 1.57x MKL-packed at 4 rows,
+# 1.14x at 8, 0.67x at 16, 0.34x at 64; above 8 rows it competes in the measurement.
+WIDE_PANEL_ROWS = range(1, 65)
+NARROW_PANEL_ROWS = range(1, 9)
 
 # Row counts are rounded up to a power of two; above the last bucket, and at buckets above a
 # shape's measuring budget (TUNE_MAX_MACS), the last measured bucket's kernel is used.
@@ -122,9 +127,18 @@ class GemmPolicy:
 
 
 ALWAYS_MKL_PACKED = GemmPolicy(tuple(Gemm.MKL_PACKED for _ in ROW_BUCKETS))
-PANELS_THEN_PLAIN = GemmPolicy(tuple(Gemm.PANELS if rows in PANEL_ROWS else Gemm.PLAIN
-                                     for rows in ROW_BUCKETS))
 ALWAYS_PLAIN = GemmPolicy(tuple(Gemm.PLAIN for _ in ROW_BUCKETS))
+
+
+def panel_rows() -> range:
+    """The row counts the panels take unmeasured, for the vectors the kernels were built for."""
+    return WIDE_PANEL_ROWS if cpu_kernels.wide_vectors() else NARROW_PANEL_ROWS
+
+
+def panels_then_plain() -> GemmPolicy:
+    rows_of_panels = panel_rows()
+    return GemmPolicy(tuple(Gemm.PANELS if rows in rows_of_panels else Gemm.PLAIN
+                            for rows in ROW_BUCKETS))
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,7 @@ class GemmShape:
     in_features: int
     has_bias: bool
     threads: int
-    panels: bool  # the panel kernel is built: it takes PANEL_ROWS, and competes above
+    panels: bool  # the panel kernel is built: it takes panel_rows(), and competes above
     dtype: torch.dtype = torch.float32
 
 
@@ -343,7 +357,7 @@ class PolicyCache:
         if shape not in self._policies:
             self._policies[shape] = tune_policy(
                 weight, candidate_kernels(weight, bias, panels),
-                panel_rows=PANEL_ROWS if panels is not None else range(0))
+                panel_rows=panel_rows() if panels is not None else range(0))
         return self._policies[shape]
 
 
@@ -395,7 +409,7 @@ def _attach_packed(module: Linear, backend: str, cache: PolicyCache
     if backend == "packed":
         policy = ALWAYS_MKL_PACKED
     elif backend == "panels":
-        policy = PANELS_THEN_PLAIN if panels is not None else ALWAYS_PLAIN
+        policy = panels_then_plain() if panels is not None else ALWAYS_PLAIN
     else:
         policy = cache.policy(shape, weight, bias, panels)
     if policy != ALWAYS_PLAIN:

@@ -18,8 +18,6 @@ from gpu_runner.layers.linear import (
     ALWAYS_MKL_PACKED,
     ALWAYS_PLAIN,
     MIN_GAIN,
-    PANEL_ROWS,
-    PANELS_THEN_PLAIN,
     ROW_BUCKETS,
     Gemm,
     GemmPolicy,
@@ -33,6 +31,8 @@ from gpu_runner.layers.linear import (
     linear,
     pack_weight,
     packing_supported,
+    panel_rows,
+    panels_then_plain,
     resolve_linear_backend,
 )
 from gpu_runner.runner import ModelRunner, RunnerOptions
@@ -241,7 +241,7 @@ def test_auto_measures_each_shape_once_and_shares_the_policy(
     install_linear_backend(_TwoLayers(), "auto", cache)  # a second model: all cached
     assert len(measured) == 3
     # With the panel kernel, the other kernels are not measured at the rows it takes.
-    assert panel_rows_seen == ({PANEL_ROWS} if cpu_kernels.available() else {range(0)})
+    assert panel_rows_seen == ({panel_rows()} if cpu_kernels.available() else {range(0)})
 
 
 @needs_mkl
@@ -365,8 +365,9 @@ def test_auto_uses_the_panels_up_to_their_rows_unmeasured(
     model = _TwoLayers()
     install_linear_backend(model, "auto", PolicyCache())
     assert model.first.packed is not None
-    assert [model.first.packed.policy.kernel(rows) for rows in PANEL_ROWS] == (
-        [Gemm.PANELS] * len(PANEL_ROWS))
+    rows_of_panels = panel_rows()
+    assert [model.first.packed.policy.kernel(rows) for rows in rows_of_panels] == (
+        [Gemm.PANELS] * len(rows_of_panels))
     calls: list[int] = []
     real = cpu_kernels.panel_linear
 
@@ -375,12 +376,12 @@ def test_auto_uses_the_panels_up_to_their_rows_unmeasured(
         return real(x, panels, bias, out_features)
 
     monkeypatch.setattr(cpu_kernels, "panel_linear", counting)
-    for rows in (PANEL_ROWS.start, PANEL_ROWS.stop - 1):
+    for rows in (rows_of_panels.start, rows_of_panels.stop - 1):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(model.first(x).double(),
                                    _f64_linear(x, model.first.weight, model.first.bias),
                                    rtol=1e-5, atol=1e-4)
-    assert calls == [PANEL_ROWS.start, PANEL_ROWS.stop - 1]
+    assert calls == [rows_of_panels.start, rows_of_panels.stop - 1]
 
 
 @needs_kernels
@@ -393,11 +394,13 @@ def test_panels_backend_measures_nothing_panels_then_plain(
     assert resolve_linear_backend("panels", CPU, torch.float32) == "panels"
     model = _TwoLayers()
     policies = install_linear_backend(model, "panels", PolicyCache())
-    assert set(policies.values()) == {PANELS_THEN_PLAIN}
+    policy = panels_then_plain()
+    assert set(policies.values()) == {policy}
     for module in _projections(model):
         assert module.packed is not None and module.packed.packed is None  # no MKL copy
         assert module.packed.panels is not None
-    assert [PANELS_THEN_PLAIN.kernel(rows) for rows in (1, 64, 65, 2048)] == [
+    last = panel_rows().stop - 1
+    assert [policy.kernel(rows) for rows in (1, last, last + 1, 2048)] == [
         Gemm.PANELS, Gemm.PANELS, Gemm.PLAIN, Gemm.PLAIN]
     for rows in (3, 100):  # a panel row count and a plain one
         x = torch.randn(rows, 32)
