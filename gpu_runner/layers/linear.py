@@ -8,6 +8,8 @@ The kernels (`Gemm`), CPU float32:
   rows the per-call packing is most of PLAIN's time. A copy of the weight.
 - PANELS: the C++ panel kernel (gpu_runner/cpu_kernels.py, csrc/panel_linear.cpp), which streams
   the weight from memory while it computes. A copy of the weight in its layout.
+- ONEDNN: oneDNN's float32 matmul on a weight reordered once at load, up to ONEDNN_MAX_ROWS
+  rows, at padded row counts (`onednn_rows`). A copy of the weight.
 
 MKL picks its code path by CPU vendor: on an AMD CPU with AVX-512 it runs without it, and the
 panels are then ~2x faster than either MKL path at every row count (bench/linear.py); on one
@@ -71,9 +73,16 @@ LINEAR_BACKENDS = ("auto", "panels", "packed", "plain")
 # on the Xeon VM 8-24 % faster than MKL-packed from 4 to 64 rows and 2-10 % slower at 1-2),
 # both dtypes (bfloat16: the table in the docstring). Built for AVX2, its 8-row tiles spill
 # half their accumulators: on the AVX2-only EPYC (2026-12-07) 1.57x MKL-packed at 4 rows,
-# 1.14x at 8, 0.67x at 16, 0.34x at 64; above 8 rows it competes in the measurement.
+# 1.14x at 8, 0.67x at 16, 0.34x at 64; above 8 rows it competes in the measurement. There
+# oneDNN beat both at every row count from 1 to 32 (30 layers, cold: 21.9 / 26.1 / 29.4 ms at
+# 1 row for oneDNN / panels / MKL; 28.8 / 53.7 / 47.8 at 8; 60.8 / 211 / 80.7 at 32), so
+# `auto` measures every row count where the kernels are built for AVX2.
 WIDE_PANEL_ROWS = range(1, 65)
 NARROW_PANEL_ROWS = range(1, 9)
+# oneDNN builds and keeps a primitive per row count (`onednn_rows` bounds how many): it is a
+# candidate for decode batches only, where it pays.
+ONEDNN_MAX_ROWS = 64
+ONEDNN_ROWS_HINT = 32  # the row count its weight layout is reordered for
 
 # Row counts are rounded up to a power of two; above the last bucket, and at buckets above a
 # shape's measuring budget (TUNE_MAX_MACS), the last measured bucket's kernel is used.
@@ -97,6 +106,7 @@ class Gemm(enum.Enum):
     PLAIN = "plain"
     MKL_PACKED = "mkl-packed"
     PANELS = "panels"
+    ONEDNN = "onednn"
 
 
 @dataclass(frozen=True)
@@ -131,8 +141,15 @@ ALWAYS_PLAIN = GemmPolicy(tuple(Gemm.PLAIN for _ in ROW_BUCKETS))
 
 
 def panel_rows() -> range:
-    """The row counts the panels take unmeasured, for the vectors the kernels were built for."""
+    """The row counts the `panels` backend gives the panels, for the vectors the kernels were
+    built for."""
     return WIDE_PANEL_ROWS if cpu_kernels.wide_vectors() else NARROW_PANEL_ROWS
+
+
+def unmeasured_panel_rows() -> range:
+    """The row counts `auto` gives the panels without a measurement (none where the kernels
+    are built for AVX2: there every kernel is measured at every row count)."""
+    return WIDE_PANEL_ROWS if cpu_kernels.wide_vectors() else range(0)
 
 
 def panels_then_plain() -> GemmPolicy:
@@ -160,6 +177,7 @@ class PackedWeight:
     packed: torch.Tensor | None  # MKL's opaque packed layout (None: the policy never uses it)
     policy: GemmPolicy
     panels: torch.Tensor | None = None  # the panel kernel's layout (None: never used)
+    onednn: torch.Tensor | None = None  # oneDNN's reordered weight (None: never used)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -172,14 +190,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             return cpu_kernels.panel_linear(x, packed.panels, bias, weight.shape[0])
         if kernel is Gemm.MKL_PACKED and packed.packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed.packed, weight, bias, rows)
+        if kernel is Gemm.ONEDNN and packed.onednn is not None:
+            return onednn_linear(x, packed.onednn, bias, reordered=True)
     if x.dtype == torch.bfloat16 and x.device.type == "cpu":
         return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def onednn_rows(rows: int) -> int:
-    """The row count a CPU bfloat16 product runs at: `rows` rounded up to a step. oneDNN
-    (torch's bfloat16 GEMM on the CPU) builds a primitive for every new row count, ~0.5 MB
+    """The row count a oneDNN product runs at (CPU bfloat16, and ONEDNN in float32): `rows`
+    rounded up to a step. oneDNN builds a primitive for every new row count, ~0.5 MB
     each for these shapes and 2-15 ms to build here, and keeps up to 1024 of them: a server
     sees a new row count most steps. With the steps below a shape has at most 59 (16 exact,
     15 of 16 rows, 28 of 64), and a padded row costs at most 1/2 of the work from 17 rows,
@@ -190,17 +210,42 @@ def onednn_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                  ) -> torch.Tensor:
-    """F.linear at onednn_rows: x padded with zero rows, and the padding's outputs dropped."""
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  reordered: bool = False) -> torch.Tensor:
+    """x @ weight^T (+ bias) at onednn_rows (x padded with zero rows, the padding's outputs
+    dropped): F.linear (oneDNN's in bfloat16), or oneDNN's matmul on a `reordered` weight
+    (`reorder_for_onednn`)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     padded_rows = onednn_rows(rows)
     if padded_rows == rows:
-        return F.linear(x, weight, bias)
-    padded = x.new_zeros(padded_rows, x.shape[-1])
-    padded[:rows] = x.reshape(rows, x.shape[-1])
-    out = F.linear(padded, weight, bias)[:rows]
-    return out.view(*x.shape[:-1], weight.shape[0])
+        padded = x
+    else:
+        padded = x.new_zeros(padded_rows, x.shape[-1])
+        padded[:rows] = x.reshape(rows, x.shape[-1])
+    if reordered:
+        out = torch.ops.mkldnn._linear_pointwise(padded, weight, bias, "none", [], "")
+    else:
+        out = F.linear(padded, weight, bias)
+    if padded_rows == rows:
+        return out
+    return out[:rows].view(*x.shape[:-1], weight.shape[0])
+
+
+def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's float32 matmul on a reordered weight: CPU, a torch built with oneDNN."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018 (the lookup raises when it is missing)
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's layout for its matmul (it serves any row count)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
 
 
 class Linear(nn.Module):
@@ -295,6 +340,9 @@ def candidate_kernels(weight: torch.Tensor, bias: torch.Tensor | None,
     if panels is not None:
         candidates[Gemm.PANELS] = lambda x: cpu_kernels.panel_linear(x, panels, bias,
                                                                      weight.shape[0])
+    if onednn_supported(weight.device, weight.dtype):
+        reordered = reorder_for_onednn(weight)
+        candidates[Gemm.ONEDNN] = lambda x: onednn_linear(x, reordered, bias, reordered=True)
     return candidates
 
 
@@ -315,14 +363,16 @@ def tune_policy(weight: torch.Tensor, candidates: dict[Gemm, GemmRun],
             chosen.append(chosen[-1] if chosen else Gemm.PLAIN)
             continue
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=generator)
-        seconds = best_of_interleaved([partial(run, x) for run in candidates.values()], rounds)
-        chosen.append(_fastest(dict(zip(candidates, seconds, strict=True))))
+        runs = {kernel: run for kernel, run in candidates.items()
+                if kernel is not Gemm.ONEDNN or rows <= ONEDNN_MAX_ROWS}
+        seconds = best_of_interleaved([partial(run, x) for run in runs.values()], rounds)
+        chosen.append(_fastest(dict(zip(runs, seconds, strict=True))))
     return GemmPolicy(tuple(chosen))
 
 
 def _fastest(seconds: dict[Gemm, float]) -> Gemm:
-    """The fastest kernel; MKL-packed only if it beats the fastest other by MIN_GAIN (it is the
-    one that costs a copy of the weight made for it alone)."""
+    """The fastest kernel; MKL-packed only if it beats the fastest other by MIN_GAIN (a copy of
+    the weight made for it alone, which only serves the rows where it wins)."""
     others = {kernel: s for kernel, s in seconds.items() if kernel is not Gemm.MKL_PACKED}
     best = min(others, key=others.__getitem__)
     packed_s = seconds.get(Gemm.MKL_PACKED)
@@ -357,7 +407,7 @@ class PolicyCache:
         if shape not in self._policies:
             self._policies[shape] = tune_policy(
                 weight, candidate_kernels(weight, bias, panels),
-                panel_rows=panel_rows() if panels is not None else range(0))
+                panel_rows=unmeasured_panel_rows() if panels is not None else range(0))
         return self._policies[shape]
 
 
@@ -389,7 +439,8 @@ def install_linear_backend(model: nn.Module, backend: str,
             policies[shape] = policy
             layouts = module.packed
             if layouts is not None:
-                copies = (layouts.packed is not None) + (layouts.panels is not None)
+                copies = sum(layout is not None for layout in
+                             (layouts.packed, layouts.panels, layouts.onednn))
                 extra_bytes += copies * module.weight.numel() * module.weight.element_size()
     for shape, policy in policies.items():
         log.info("linear %dx%d: %s", shape.out_features, shape.in_features, policy.describe())
@@ -415,5 +466,6 @@ def _attach_packed(module: Linear, backend: str, cache: PolicyCache
     if policy != ALWAYS_PLAIN:
         module.packed = PackedWeight(
             pack_weight(weight) if policy.uses(Gemm.MKL_PACKED) else None, policy,
-            panels if policy.uses(Gemm.PANELS) else None)
+            panels if policy.uses(Gemm.PANELS) else None,
+            reorder_for_onednn(weight) if policy.uses(Gemm.ONEDNN) else None)
     return shape, policy

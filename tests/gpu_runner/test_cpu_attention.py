@@ -245,6 +245,30 @@ def test_not_available_off_cpu() -> None:
     assert not cpu_kernels.available("meta")
 
 
+def test_vector_registers_match_the_cpu_it_was_built_for() -> None:
+    """The kernels' vectors are sized for the CPU's registers (-march=native here)."""
+    flags = next((line for line in cpu_kernels._cpuinfo() if line.startswith("flags")), "")
+    if not flags or cpu_kernels._march() != "native":
+        pytest.skip("not built for this CPU's own flags")
+    assert cpu_kernels.wide_vectors() == ("avx512f" in flags.split())
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_the_torch_backend_gives_prompts_to_the_kernel_only_where_its_vectors_are_wide(
+        monkeypatch: pytest.MonkeyPatch, wide: bool) -> None:
+    from types import SimpleNamespace
+
+    from gpu_runner.attention.torch_backend import TorchAttentionBackend
+
+    monkeypatch.setattr(cpu_kernels, "wide_vectors", lambda: wide)
+    case = make_case([5, 9], heads=4, kv_heads=2, dim=32, block_size=4)
+    attends = TorchAttentionBackend._kernel_attends
+    for decode_only in (True, False):
+        plan = SimpleNamespace(decode_only=decode_only)
+        expected = decode_only or wide
+        assert attends(plan, case.query, case.layer_cache) is expected  # type: ignore[arg-type]
+
+
 # ---- bfloat16: query, caches and output in bfloat16, computed in float32 ----
 
 # The kernel rounds once, at the output: against the float64 reference over the same bfloat16

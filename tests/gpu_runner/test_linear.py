@@ -18,6 +18,7 @@ from gpu_runner.layers.linear import (
     ALWAYS_MKL_PACKED,
     ALWAYS_PLAIN,
     MIN_GAIN,
+    ONEDNN_MAX_ROWS,
     ROW_BUCKETS,
     Gemm,
     GemmPolicy,
@@ -29,11 +30,14 @@ from gpu_runner.layers.linear import (
     candidate_kernels,
     install_linear_backend,
     linear,
+    onednn_supported,
     pack_weight,
     packing_supported,
     panel_rows,
     panels_then_plain,
+    reorder_for_onednn,
     resolve_linear_backend,
+    unmeasured_panel_rows,
 )
 from gpu_runner.runner import ModelRunner, RunnerOptions
 from tests.gpu_runner.conftest import Oracle, runner_driver
@@ -241,7 +245,8 @@ def test_auto_measures_each_shape_once_and_shares_the_policy(
     install_linear_backend(_TwoLayers(), "auto", cache)  # a second model: all cached
     assert len(measured) == 3
     # With the panel kernel, the other kernels are not measured at the rows it takes.
-    assert panel_rows_seen == ({panel_rows()} if cpu_kernels.available() else {range(0)})
+    assert panel_rows_seen == ({unmeasured_panel_rows()} if cpu_kernels.available()
+                               else {range(0)})
 
 
 @needs_mkl
@@ -261,6 +266,37 @@ def test_real_tuning_returns_one_kernel_per_bucket() -> None:
     assert set(policy.kernels) <= set(candidates)
     shape = GemmShape(64, 32, False, torch.get_num_threads(), False)
     assert shape == GemmShape(64, 32, False, torch.get_num_threads(), False)  # hashable key
+
+
+needs_onednn = pytest.mark.skipif(not onednn_supported(CPU, torch.float32),
+                                  reason="this torch has no oneDNN matmul")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64])
+def test_onednn_kernel_matches_float64_at_exact_and_padded_row_counts(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 32, generator=generator)
+    bias = torch.randn(48, generator=generator)
+    policy = GemmPolicy(tuple(Gemm.ONEDNN for _ in ROW_BUCKETS))
+    packed = PackedWeight(None, policy, None, reorder_for_onednn(weight))
+    x = torch.randn(2, rows, 32, generator=generator)  # leading dims kept
+    out = linear(x, weight, bias, packed)
+    assert out.shape == (2, rows, 48)
+    torch.testing.assert_close(out.double(), _f64_linear(x, weight, bias), rtol=1e-5, atol=ATOL)
+
+
+@needs_onednn
+def test_tuning_offers_onednn_only_up_to_its_rows() -> None:
+    timed: dict[Gemm, list[int]] = {Gemm.PLAIN: [], Gemm.ONEDNN: []}
+
+    def recording(kernel: Gemm):  # type: ignore[no-untyped-def]
+        return lambda x: timed[kernel].append(x.shape[0])
+
+    weight = torch.randn(16, 16)
+    linear_module.tune_policy(weight, {kernel: recording(kernel) for kernel in timed}, rounds=1)
+    assert max(timed[Gemm.ONEDNN]) == ONEDNN_MAX_ROWS
+    assert max(timed[Gemm.PLAIN]) == ROW_BUCKETS[-1]
 
 
 def test_tuning_gives_the_panels_their_rows_unmeasured_and_extends_past_the_budget(
@@ -363,9 +399,11 @@ def test_panel_kernel_refuses_bad_inputs(call) -> None:  # type: ignore[no-untyp
 def test_auto_uses_the_panels_up_to_their_rows_unmeasured(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = _TwoLayers()
+    rows_of_panels = unmeasured_panel_rows()
+    if not rows_of_panels:
+        pytest.skip("built for AVX2: auto measures every row count")
     install_linear_backend(model, "auto", PolicyCache())
     assert model.first.packed is not None
-    rows_of_panels = panel_rows()
     assert [model.first.packed.policy.kernel(rows) for rows in rows_of_panels] == (
         [Gemm.PANELS] * len(rows_of_panels))
     calls: list[int] = []
