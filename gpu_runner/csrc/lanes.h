@@ -37,15 +37,14 @@ struct Vec {
   Part part[kParts];
 };
 
-#define PAGEWIRE_VEC_OP(op)                                          \
-  inline Vec operator op(Vec a, const Vec& b) {                      \
-    _Pragma("GCC unroll 4") for (int i = 0; i < kParts; ++i) a.part[i] op## = b.part[i]; \
-    return a;                                                        \
-  }                                                                  \
-  inline Vec& operator op##=(Vec& a, const Vec& b) {                 \
-    _Pragma("GCC unroll 4") for (int i = 0; i < kParts; ++i) a.part[i] op## = b.part[i]; \
-    return a;                                                        \
-  }
+#define PAGEWIRE_VEC_OP(op)                                      \
+  inline Vec operator op(Vec a, const Vec& b) {                  \
+    _Pragma("GCC unroll 4") for (int i = 0; i < kParts; ++i) {   \
+      a.part[i] = a.part[i] op b.part[i];                        \
+    }                                                            \
+    return a;                                                    \
+  }                                                              \
+  inline Vec& operator op##=(Vec& a, const Vec& b) { return a = a op b; }
 PAGEWIRE_VEC_OP(+)
 PAGEWIRE_VEC_OP(-)
 PAGEWIRE_VEC_OP(*)
