@@ -74,9 +74,10 @@ LINEAR_BACKENDS = ("auto", "panels", "packed", "plain")
 # both dtypes (bfloat16: the table in the docstring). Built for AVX2, its 8-row tiles spill
 # half their accumulators: on the AVX2-only EPYC (2026-12-07) 1.57x MKL-packed at 4 rows,
 # 1.14x at 8, 0.67x at 16, 0.34x at 64; above 8 rows it competes in the measurement. There
-# oneDNN beat both at every row count from 1 to 32 (30 layers, cold: 21.9 / 26.1 / 29.4 ms at
-# 1 row for oneDNN / panels / MKL; 28.8 / 53.7 / 47.8 at 8; 60.8 / 211 / 80.7 at 32), so
-# `auto` measures every row count where the kernels are built for AVX2.
+# oneDNN beat every other kernel at every row count from 1 to 128 (bench/linear.py, the whole
+# model cold: 26.2 ms at 1 row against 32.9 for the panels and 33.8 for MKL-packed; 41.3
+# against 68.0 / 75.2 at 8; 82.5 against 134.0 at 32), so `auto` measures every row count
+# where the kernels are built for AVX2.
 WIDE_PANEL_ROWS = range(1, 65)
 NARROW_PANEL_ROWS = range(1, 9)
 # oneDNN builds and keeps a primitive per row count (`onednn_rows` bounds how many): it is a
@@ -149,7 +150,7 @@ def panel_rows() -> range:
 def unmeasured_panel_rows() -> range:
     """The row counts `auto` gives the panels without a measurement (none where the kernels
     are built for AVX2: there every kernel is measured at every row count)."""
-    return WIDE_PANEL_ROWS if cpu_kernels.wide_vectors() else range(0)
+    return panel_rows() if cpu_kernels.wide_vectors() else range(0)
 
 
 def panels_then_plain() -> GemmPolicy:
