@@ -63,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="split the model over N processes (N GPUs; gloo on CPU)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs for decode batches")
+    parser.add_argument("--max-loras", type=int,
+                        default=int(env("PAGEWIRE_RUNNER_MAX_LORAS", "0")),
+                        help="LoRA adapters one batch may use (slots in device memory; any "
+                             "number may be loaded); 0: serve no adapters")
+    parser.add_argument("--max-lora-rank", type=int,
+                        default=int(env("PAGEWIRE_RUNNER_MAX_LORA_RANK", "16")),
+                        help="highest LoRA rank accepted (sizes the slots)")
     parser.add_argument("--record-batches", type=Path, default=None,
                         help="append every executed ExecuteRequest to this file (benchmarks)")
     add_registration_arguments(parser)
@@ -97,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend, linear_backend=args.linear_backend,
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size,
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         )))
     except (OSError, ValueError) as error:
         log.error("cannot load the model: %s", error)

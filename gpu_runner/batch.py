@@ -63,6 +63,8 @@ class ExecuteBatch:
     mask_seq_indices: np.ndarray = field(default_factory=_ints)
     masks: bytes = b""
     masks_follow: bool = False
+    # Per sequence, its LoRA adapter's name ("" for the base model); empty: all base.
+    adapters: tuple[str, ...] = ()
     epoch: int = 0
     client_id: str = ""
     step_id: int = 0
@@ -99,6 +101,7 @@ class ExecuteBatch:
             mask_seq_indices=_ints(r.mask_seq_indices),
             masks=bytes(r.masks),
             masks_follow=bool(r.masks_follow),
+            adapters=tuple(r.adapters),
             epoch=int(r.epoch),
             client_id=str(r.client_id),
             step_id=int(r.step_id),
@@ -155,6 +158,8 @@ def _check_column_lengths(b: ExecuteBatch) -> None:
         _require(size == n, f"{name} has {size} entries, expected one per sequence ({n})")
     _require(b.num_logprobs.shape[0] in (0, n),
              f"num_logprobs has {b.num_logprobs.shape[0]} entries: send none or {n}")
+    _require(len(b.adapters) in (0, n),
+             f"adapters has {len(b.adapters)} entries: send none or {n}")
     _require(b.copy_src_block_ids.shape[0] == b.copy_dst_block_ids.shape[0],
              f"copy_src_block_ids has {b.copy_src_block_ids.shape[0]} entries but "
              f"copy_dst_block_ids {b.copy_dst_block_ids.shape[0]}")

@@ -39,6 +39,7 @@ _OPTIONAL_COLUMNS = {
     "prompt_lens": 0,
     "penalty_history_lens": 0,
     "logit_bias_counts": 0,
+    "adapters": "",
 }
 # Columns concatenated as they are (per sequence, per token, or per entry of another column).
 _PLAIN_COLUMNS = (
@@ -220,6 +221,7 @@ class BatchMerger:
     def __init__(self, max_num_tokens: int = 1 << 16, wait_s: float = AFTER_STEP_WAIT_S,
                  capacity: int = MAX_REMEMBERED_CLIENTS) -> None:
         self.max_num_tokens = max_num_tokens  # new tokens of one merged forward, at most
+        self.max_adapters = 0  # LoRA adapters one merged forward may name (the runner's)
         self.wait_s = wait_s
         self.capacity = capacity
         self.retries = RetryCache(capacity)
@@ -276,6 +278,7 @@ class BatchMerger:
         previous step, within the token budget (the first one whatever its size)."""
         taken: list[_Job] = []
         clients: set[str] = set()
+        adapters: set[str] = set()
         tokens = 0
         for job in self._queue:
             request = job.request
@@ -286,8 +289,12 @@ class BatchMerger:
             size = len(request.token_ids)
             if taken and tokens + size > self.max_num_tokens:
                 continue
+            own_adapters = set(request.adapters) - {""}
+            if taken and len(adapters | own_adapters) > self.max_adapters:
+                continue  # the slot table holds max_adapters per forward
             taken.append(job)
             tokens += size
+            adapters |= own_adapters
             if client:
                 clients.add(client)
         for job in taken:

@@ -54,7 +54,11 @@ from gpu_runner.layers.linear import (
     install_linear_backend,
     resolve_linear_backend,
 )
+from gpu_runner.layers.rotary import interleaving_order
 from gpu_runner.loader import load_model
+from gpu_runner.lora.manager import AdapterManager
+from gpu_runner.lora.slots import LoraBatch
+from gpu_runner.merging import BatchError
 from gpu_runner.models.llama import LlamaForCausalLM
 from gpu_runner.sampler import SamplerOutput, TokenMasks, sample, unpack_masks
 
@@ -83,6 +87,8 @@ class RunnerOptions:
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0  # set by rank 0 for the workers it spawns
     tensor_parallel_port: int = 0  # the process group's rendezvous port (workers)
+    max_loras: int = 0  # LoRA adapters one batch may name (the slot table); 0: none served
+    max_lora_rank: int = 16
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ class RunnerInfo:
     epoch: int
     attention_backend: str
     tensor_parallel_size: int = 1
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,7 @@ class ModelRunner:
         self.tp = self._join_tensor_parallel()
         self.model, self.config, self.local_config = self._load()
         self.linear_backend, self.linear_policies = self._install_linear_backend()
+        self.lora = self._adapter_manager()  # before sizing the cache: its slots take memory
         self.block_size = options.block_size
         self.max_model_len = min(
             options.max_model_len or self.config.max_position_embeddings,
@@ -204,6 +213,21 @@ class ModelRunner:
         if self.dtype == torch.float32:
             model.interleave_rotary()  # rotary as one complex multiply (layers/rotary.py)
         return model, config, local
+
+    def _adapter_manager(self) -> AdapterManager | None:
+        if self.options.max_loras < 0 or self.options.max_lora_rank < 1:
+            raise ValueError("--max-loras must be >= 0 and --max-lora-rank >= 1")
+        if not self.options.max_loras:
+            return None
+        if self.tp is not None:
+            raise ValueError("--max-loras does not combine with tensor parallelism yet")
+        order = interleaving_order(self.config.head_dim) if self.model.rotary.interleaved \
+            else None
+        manager = AdapterManager(self.config, self.options.max_loras,
+                                 self.options.max_lora_rank, self.dtype, self.device, order)
+        log.info("LoRA: %d slots of rank <= %d (%.1f MiB)", manager.max_loras,
+                 manager.max_rank, manager.table.nbytes / 2**20)
+        return manager
 
     def _install_linear_backend(self) -> tuple[str, dict[GemmShape, GemmPolicy]]:
         """Packs the projections' weights where that is faster (CPU float32). Not with tensor
@@ -269,6 +293,8 @@ class ModelRunner:
             epoch=self.epoch,
             attention_backend=self.backend_name,
             tensor_parallel_size=self.options.tensor_parallel_size,
+            max_loras=0 if self.lora is None else self.lora.max_loras,
+            max_lora_rank=0 if self.lora is None else self.lora.max_rank,
         )
 
     # ---- tensor-parallel workers (rank 0) ----
@@ -326,20 +352,30 @@ class ModelRunner:
         With tensor parallelism the workers run the same forward on their shards.
         `late_masks` gives a masks_follow batch's masks once the forward is done."""
         self._check_workers()
-        validate_batch(batch, self.limits)
+        self.validate(batch)
         self._send_to_workers("execute", batch)
         return self._execute_local(batch, late_masks)
+
+    def validate(self, batch: ExecuteBatch) -> None:
+        """BatchError when the batch is malformed or names adapters it cannot run."""
+        validate_batch(batch, self.limits)
+        if any(batch.adapters):
+            if self.lora is None:
+                raise BatchError("the batch names LoRA adapters; this runner serves none "
+                                 "(start it with --max-loras)")
+            self.lora.check(batch.adapters)
 
     def _execute_local(self, batch: ExecuteBatch,
                        late_masks: Callable[[], bytes] | None = None) -> ExecuteResult:
         start = time.perf_counter()
         inputs = build_inputs(batch, self.block_size, self.device)
+        lora = self._lora_batch(batch)
         with torch.inference_mode():
             copy_blocks(self.kv_cache, inputs.copy_src, inputs.copy_dst)
-            if self.graphs is not None and self.graphs.can_run(batch):
+            if lora is None and self.graphs is not None and self.graphs.can_run(batch):
                 logits = self.graphs.run(batch)
             else:
-                logits = self.model(inputs.token_ids, self.kv_cache, inputs.meta)
+                logits = self.model(inputs.token_ids, self.kv_cache, inputs.meta, lora)
             forward_done = time.perf_counter()
             output = None
             if inputs.sampling is not None:
@@ -369,15 +405,21 @@ class ModelRunner:
     def forward_logits(self, batch: ExecuteBatch) -> torch.Tensor:
         """Like execute but returns the logits of the sampling positions (tests, debugging)."""
         self._check_workers()
-        validate_batch(batch, self.limits)
+        self.validate(batch)
         self._send_to_workers("logits", batch)
         return self._forward_logits_local(batch)
 
     def _forward_logits_local(self, batch: ExecuteBatch) -> torch.Tensor:
         inputs = build_inputs(batch, self.block_size, self.device)
+        lora = self._lora_batch(batch)
         with torch.inference_mode():
             copy_blocks(self.kv_cache, inputs.copy_src, inputs.copy_dst)
-            return self.model(inputs.token_ids, self.kv_cache, inputs.meta)
+            return self.model(inputs.token_ids, self.kv_cache, inputs.meta, lora)
+
+    def _lora_batch(self, batch: ExecuteBatch) -> LoraBatch | None:
+        if self.lora is None or not any(batch.adapters):
+            return None
+        return self.lora.for_batch(batch.adapters, batch.num_new_tokens)
 
 
 def _result(

@@ -29,8 +29,15 @@ import grpc
 import numpy as np
 
 from common.handlers import lenient_handlers
-from gpu_runner.batch import ExecuteBatch, validate_batch
+from gpu_runner.batch import ExecuteBatch
 from gpu_runner.distributed import WorkerLostError
+from gpu_runner.lora.manager import (
+    AdapterConflictError,
+    AdapterManager,
+    AdapterUnknownError,
+    LoadedAdapter,
+)
+from gpu_runner.lora.peft_format import AdapterError, AdapterNotFoundError
 from gpu_runner.masks import MaskBoard
 from gpu_runner.merging import BatchError, BatchMerger, PartialFailure, PendingStepError
 from gpu_runner.recorder import BatchRecorder
@@ -48,6 +55,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                  recorder: BatchRecorder | None = None) -> None:
         self._runner = runner
         self._merger = BatchMerger()
+        if runner is not None:
+            self._merger.max_adapters = runner.info().max_loras
         self._masks = MaskBoard()
         self._recorder = recorder
         self._forward_thread = ThreadPoolExecutor(max_workers=1,
@@ -61,6 +70,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         """Builds the runner on the forward thread (its warm-up and tuning forwards would leave
         a second OpenMP team on any other: see the module's docstring) and serves it."""
         self._runner = self._forward_thread.submit(make_runner).result()
+        self._merger.max_adapters = self._runner.info().max_loras
         return self._runner
 
     def _loaded(self, context: grpc.ServicerContext) -> ModelRunner:
@@ -85,6 +95,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             epoch=info.epoch,
             attention_backend=info.attention_backend,
             tensor_parallel_size=info.tensor_parallel_size,
+            max_loras=info.max_loras,
+            max_lora_rank=info.max_lora_rank,
         )
 
     def Execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
@@ -124,7 +136,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         """In the batch's turn: refuses it alone if malformed or its caller is gone."""
         if not context.is_active():
             raise _CallEnded()  # the caller gave up (deadline or cancel) while waiting
-        validate_batch(ExecuteBatch.from_proto(request), runner.limits)
+        runner.validate(ExecuteBatch.from_proto(request))
 
     def SupplyMasks(self, request: runner_pb2.SupplyMasksRequest,
                     context: grpc.ServicerContext) -> runner_pb2.SupplyMasksResponse:
@@ -132,6 +144,50 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "SupplyMasks needs a client_id")
         self._masks.put(request.client_id, request.step_id, request.masks)
         return runner_pb2.SupplyMasksResponse()
+
+    def LoadAdapter(self, request: runner_pb2.LoadAdapterRequest,
+                    context: grpc.ServicerContext) -> runner_pb2.LoadAdapterResponse:
+        adapters = self._adapters(context)
+        try:
+            loaded = adapters.register(adapters.read(request.name, request.path))
+        except AdapterNotFoundError as error:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        except AdapterConflictError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except AdapterError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        log.info("LoRA adapter %r loaded from %s (rank %d, %s)", loaded.name, loaded.path,
+                 loaded.adapter.rank, ", ".join(loaded.adapter.target_modules))
+        return runner_pb2.LoadAdapterResponse(adapter=_adapter_info(loaded))
+
+    def UnloadAdapter(self, request: runner_pb2.UnloadAdapterRequest,
+                      context: grpc.ServicerContext) -> runner_pb2.UnloadAdapterResponse:
+        adapters = self._adapters(context)
+        try:
+            # On the forward thread: the slot table changes between forwards only.
+            self._forward_thread.submit(adapters.unload, request.name).result()
+        except AdapterUnknownError:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no adapter named {request.name[:140]!r} is loaded")
+        log.info("LoRA adapter %r unloaded", request.name)
+        return runner_pb2.UnloadAdapterResponse()
+
+    def ListAdapters(self, request: runner_pb2.ListAdaptersRequest,
+                     context: grpc.ServicerContext) -> runner_pb2.ListAdaptersResponse:
+        runner = self._loaded(context)
+        if runner.lora is None:
+            return runner_pb2.ListAdaptersResponse()
+        return runner_pb2.ListAdaptersResponse(
+            adapters=[_adapter_info(loaded) for loaded in runner.lora.adapters()],
+            max_loras=runner.lora.max_loras, max_lora_rank=runner.lora.max_rank)
+
+    def _adapters(self, context: grpc.ServicerContext) -> AdapterManager:
+        runner = self._loaded(context)
+        if runner.lora is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this runner serves no LoRA adapters (start it with --max-loras)")
+        assert runner.lora is not None
+        return runner.lora
 
     def _forward(self, runner: ModelRunner, merged: runner_pb2.ExecuteRequest,
                  parts: list[runner_pb2.ExecuteRequest]) -> runner_pb2.ExecuteResponse:
@@ -148,6 +204,13 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         if failed:
             raise PartialFailure(answer, failed)
         return answer
+
+
+def _adapter_info(loaded: LoadedAdapter) -> runner_pb2.AdapterInfo:
+    adapter = loaded.adapter
+    return runner_pb2.AdapterInfo(name=loaded.name, path=loaded.path, rank=adapter.rank,
+                                  target_modules=list(adapter.target_modules),
+                                  digest=adapter.digest)
 
 
 class _CallEnded(Exception):

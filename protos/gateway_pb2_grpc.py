@@ -188,3 +188,132 @@ class GenerationService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminServiceStub:
+    """Operators' calls, behind the internal token (the one only pagewire's own services hold;
+    UNAUTHENTICATED without it when tokens are configured).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagewire.gateway.v1.AdminService/LoadLoraAdapter',
+                request_serializer=protos_dot_gateway__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_gateway__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagewire.gateway.v1.AdminService/UnloadLoraAdapter',
+                request_serializer=protos_dot_gateway__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_gateway__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServiceServicer:
+    """Operators' calls, behind the internal token (the one only pagewire's own services hold;
+    UNAUTHENTICATED without it when tokens are configured).
+    """
+
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter (PEFT's format) on every runner of this gateway and serves it under
+        its name from then on, also on runners that join or restart later. Loading a name again
+        with the same files is a no-op. Errors: FAILED_PRECONDITION when the runners serve no
+        adapters or the name is the base model's or another adapter's; NOT_FOUND when the path
+        holds no adapter; INVALID_ARGUMENT for a bad name, a rank over the runners' limit,
+        unsupported target modules or a corrupt file. A failed load leaves nothing loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving an adapter and unloads it from the runners; requests running on it finish
+        first. NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_gateway__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_gateway__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_gateway__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_gateway__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pagewire.gateway.v1.AdminService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pagewire.gateway.v1.AdminService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AdminService:
+    """Operators' calls, behind the internal token (the one only pagewire's own services hold;
+    UNAUTHENTICATED without it when tokens are configured).
+    """
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.gateway.v1.AdminService/LoadLoraAdapter',
+            protos_dot_gateway__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_gateway__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.gateway.v1.AdminService/UnloadLoraAdapter',
+            protos_dot_gateway__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_gateway__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

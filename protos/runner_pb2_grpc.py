@@ -50,6 +50,21 @@ class RunnerServiceStub:
                 request_serializer=protos_dot_runner__pb2.SupplyMasksRequest.SerializeToString,
                 response_deserializer=protos_dot_runner__pb2.SupplyMasksResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/pagewire.runner.v1.RunnerService/LoadAdapter',
+                request_serializer=protos_dot_runner__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_runner__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/pagewire.runner.v1.RunnerService/UnloadAdapter',
+                request_serializer=protos_dot_runner__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_runner__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/pagewire.runner.v1.RunnerService/ListAdapters',
+                request_serializer=protos_dot_runner__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_runner__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class RunnerServiceServicer:
@@ -78,6 +93,32 @@ class RunnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter in PEFT's format into host memory under a name; batches then name
+        it in ExecuteRequest.adapters. Loading the same name with the same files again is a
+        no-op. Errors: FAILED_PRECONDITION when the runner serves no adapters (--max-loras 0) or
+        the name is taken by other files; NOT_FOUND when the path holds no adapter;
+        INVALID_ARGUMENT for a rank over --max-lora-rank, a target module the model does not
+        have or a corrupt or mismatched file. A failed load changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forgets an adapter (host memory and its slot). NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters loaded, and the slot table's size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +136,21 @@ def add_RunnerServiceServicer_to_server(servicer, server):
                     servicer.SupplyMasks,
                     request_deserializer=protos_dot_runner__pb2.SupplyMasksRequest.FromString,
                     response_serializer=protos_dot_runner__pb2.SupplyMasksResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=protos_dot_runner__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=protos_dot_runner__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=protos_dot_runner__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=protos_dot_runner__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=protos_dot_runner__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=protos_dot_runner__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +235,87 @@ class RunnerService:
             '/pagewire.runner.v1.RunnerService/SupplyMasks',
             protos_dot_runner__pb2.SupplyMasksRequest.SerializeToString,
             protos_dot_runner__pb2.SupplyMasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.runner.v1.RunnerService/LoadAdapter',
+            protos_dot_runner__pb2.LoadAdapterRequest.SerializeToString,
+            protos_dot_runner__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.runner.v1.RunnerService/UnloadAdapter',
+            protos_dot_runner__pb2.UnloadAdapterRequest.SerializeToString,
+            protos_dot_runner__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagewire.runner.v1.RunnerService/ListAdapters',
+            protos_dot_runner__pb2.ListAdaptersRequest.SerializeToString,
+            protos_dot_runner__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

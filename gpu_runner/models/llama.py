@@ -17,6 +17,7 @@ from gpu_runner.layers.embedding import Embedding, LMHead
 from gpu_runner.layers.linear import Linear, MergedLinear
 from gpu_runner.layers.rms_norm import RMSNorm
 from gpu_runner.layers.rotary import RotaryEmbedding, Rotation, interleaving_order
+from gpu_runner.lora.slots import LayerLora, LoraBatch
 
 
 class Attention(nn.Module):
@@ -42,9 +43,12 @@ class Attention(nn.Module):
         rotation: Rotation,
         layer_cache: torch.Tensor,
         plan: Any,  # the backend's plan of this batch
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.add("qkv", hidden, qkv)
         q, k, v = self.qkv_proj.split(qkv)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -56,7 +60,11 @@ class Attention(nn.Module):
             qk = rotation.apply(qkv[:, : heads * self.head_dim].view(tokens, heads,
                                                                     self.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        return self.o_proj(self.backend.forward(q, k, v, layer_cache, plan))
+        attended = self.backend.forward(q, k, v, layer_cache, plan)
+        out = self.o_proj(attended)
+        if lora is not None:
+            lora.add("o", attended, out)
+        return out
 
     def reorder_qk_rows(self, order: torch.Tensor) -> None:
         """Applies a per-head order of the head dimensions to the q and k projections (and
@@ -85,8 +93,15 @@ class MLP(nn.Module):
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+    def forward(self, hidden: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        gate_up = self.gate_up_proj(hidden)
+        lora.add("gate_up", hidden, gate_up)
+        activated = silu_and_mul(gate_up)
+        out = self.down_proj(activated)
+        lora.add("down", activated, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -106,6 +121,7 @@ class DecoderLayer(nn.Module):
         rotation: Rotation,
         layer_cache: torch.Tensor,
         plan: Any,  # the backend's plan of this batch
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         """Adds `delta` (the previous layer's output; None in the first layer) to `residual`,
         the running sum of the layer outputs, in place (it is this forward's own buffer), and
@@ -115,8 +131,8 @@ class DecoderLayer(nn.Module):
             normed = self.input_layernorm(residual)
         else:
             normed = self.input_layernorm.add_and_norm(delta, residual)
-        attention = self.self_attn(normed, rotation, layer_cache, plan)
-        return self.mlp(self.post_attention_layernorm.add_and_norm(attention, residual))
+        attention = self.self_attn(normed, rotation, layer_cache, plan, lora)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(attention, residual), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,15 +171,18 @@ class LlamaForCausalLM(nn.Module):
         token_ids: torch.Tensor,  # [tokens]
         kv_cache: torch.Tensor,  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Runs every new token through the model; returns logits [sampled seqs, vocab]
-        for the tokens at meta.logits_indices only."""
+        """Runs every new token through the model (each row through its LoRA adapter, if
+        `lora` gives it one); returns logits [sampled seqs, vocab] for the tokens at
+        meta.logits_indices only."""
         plan = self.backend.plan(meta)
         rotation = self.rotary.rotation(meta.positions, self.embed_tokens.weight.dtype)
         residual = self.embed_tokens(token_ids)
         delta = None
         for index, layer in enumerate(self.layers):
-            delta = layer(delta, residual, rotation, kv_cache[index], plan)
+            layer_lora = None if lora is None else LayerLora(lora, index)
+            delta = layer(delta, residual, rotation, kv_cache[index], plan, layer_lora)
         rows = meta.logits_indices  # only these rows need the last addition and the norm
         last = self.norm.add_and_norm(delta[rows], residual[rows]) if delta is not None \
             else self.norm(residual[rows])

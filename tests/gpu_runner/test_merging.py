@@ -349,3 +349,23 @@ def test_two_clients_merged_get_what_each_gets_alone(
             for name in prompts:
                 assert alone_tokens[name] == [expected_tokens(folder, p, steps)
                                               for p in prompts[name]]
+
+
+def test_merged_batches_keep_their_adapters_within_the_slot_table() -> None:
+    """Adapters per sequence survive the merge ("" for a batch that names none), and a
+    forward never names more adapters than the runner's slots: a batch that would push it
+    over waits for the next forward."""
+    rng = random.Random(5)
+    plain, first, second = (random_request(rng, f"c{i}") for i in range(3))
+    first.adapters.extend(["a"] * len(first.num_new_tokens))
+    second.adapters.extend(["b"] * len(second.num_new_tokens))
+    merged = merge_requests([plain, first])
+    assert list(merged.adapters) == [""] * len(plain.num_new_tokens) + list(first.adapters)
+    assert not merge_requests([plain, plain]).adapters
+
+    from gpu_runner.merging import _Job
+    merger = BatchMerger()
+    merger.max_adapters = 1
+    merger._queue = [_Job(r, lambda _r: None, 0.0) for r in (first, plain, second)]
+    assert [job.request for job in merger._take_runnable()] == [first, plain]
+    assert [job.request for job in merger._take_runnable()] == [second]

@@ -47,6 +47,7 @@ class Seq:
     table: list[int] = field(default_factory=list)
     computed: int = 0
     prompt_len: int = 0
+    adapter: str = ""  # its LoRA adapter's name; "" for the base model
 
     @property
     def generated(self) -> list[int]:
@@ -164,6 +165,8 @@ class PagedDriver:
             seeds=np.zeros(n, dtype=np.uint64),
             copy_src_block_ids=np.array([c[0] for c in copies], dtype=np.int64),
             copy_dst_block_ids=np.array([c[1] for c in copies], dtype=np.int64),
+            adapters=tuple(p.seq.adapter for p in planned)
+            if any(p.seq.adapter for p in planned) else (),
             epoch=self.epoch,
         )
 
@@ -216,6 +219,7 @@ def batch_to_proto(batch: ExecuteBatch) -> object:
         logit_bias_counts=batch.logit_bias_counts.tolist(),
         logit_bias_token_ids=batch.logit_bias_token_ids.tolist(),
         logit_bias_values=batch.logit_bias_values.tolist(),
+        adapters=list(batch.adapters),
     )
 
 

@@ -1,0 +1,1 @@
+"""LoRA adapters: PEFT files, the slot table, and their use in a forward."""

@@ -1,0 +1,196 @@
+"""The LoRA slot table on the model's device, and one batch's use of it.
+
+The table holds up to max_loras adapters, each in the layout the forward wants: per layer and
+fused projection (qkv, o, gate_up, down), lora_A stacked as `a [rows, in]` and lora_B, scaled
+and transposed, as `bt [rows, out]`. A fused projection's parts (q, k, v) sit block-diagonally:
+part j of an adapter with rank r takes rows j*r .. (j+1)*r - 1 of `a`, and the same rows of
+`bt` in that part's output columns only, so one (x @ a.T) @ bt adds every part's product in
+two matmuls. Only the parts an adapter targets take rows (`used`); a projection it leaves
+alone costs nothing.
+
+A batch's rows run through their own adapter as groups (a slice when a group's rows are
+contiguous, an index otherwise): per group and projection, y[rows] += (x[rows] @ a.T) @ bt,
+which is PEFT's base(x) + lora_B(lora_A(x)) * scaling. Base-model rows belong to no group.
+This is the seam a GPU kernel (Punica's BGMV / SGMV) replaces: same table, same groups.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from gpu_runner.config import ModelConfig
+from gpu_runner.lora.peft_format import PeftAdapter
+
+# The model's fused projections and their Hugging Face parts, in output order.
+PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+PROJECTION_OF = {part: name for name, parts in PROJECTIONS.items() for part in parts}
+
+
+def _part_sizes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Per fused projection: (in_features, output size of each part)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "qkv": (hidden, (config.q_size, config.kv_size, config.kv_size)),
+        "o": (config.q_size, (hidden,)),
+        "gate_up": (hidden, (inter, inter)),
+        "down": (inter, (hidden,)),
+    }
+
+
+class SlotTable:
+    """max_loras slots of stacked adapter weights, filled least-recently-used first."""
+
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device,
+                 qk_row_order: torch.Tensor | None = None) -> None:
+        self.config = config
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.qk_row_order = qk_row_order  # the model's per-head q/k row order (interleaving)
+        self.sizes = _part_sizes(config)
+        layers = config.num_layers
+        self.a = {name: torch.zeros(layers, max_loras, len(parts) * max_rank, in_size,
+                                    dtype=dtype, device=device)
+                  for name, (in_size, parts) in self.sizes.items()}
+        self.bt = {name: torch.zeros(layers, max_loras, len(parts) * max_rank, sum(parts),
+                                     dtype=dtype, device=device)
+                   for name, (_, parts) in self.sizes.items()}
+        self.used: list[dict[str, int]] = [{} for _ in range(max_loras)]  # rows per projection
+        self.holders: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
+        self.loads = 0
+        self.evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.a.values(), *self.bt.values()))
+
+    def place(self, adapters: dict[str, PeftAdapter]) -> dict[str, int]:
+        """Slots for a batch's adapters (key -> adapter; at most max_loras of them): those
+        already held are kept, the others take free slots or evict the least recently used
+        adapter that the batch does not name."""
+        if len(adapters) > self.max_loras:
+            raise ValueError(f"{len(adapters)} adapters for {self.max_loras} slots")
+        for key in adapters:
+            if key in self.holders:
+                self.holders.move_to_end(key)
+        slots = {}
+        for key, adapter in adapters.items():
+            if key not in self.holders:
+                self.holders[key] = self._free_slot(adapters)
+                self._write(self.holders[key], adapter)
+            slots[key] = self.holders[key]
+        return slots
+
+    def release(self, key: str) -> None:
+        """Empties the slot of `key` (nothing when it holds none)."""
+        slot = self.holders.pop(key, None)
+        if slot is not None:
+            self.used[slot] = {}
+
+    def _free_slot(self, keep: dict[str, PeftAdapter]) -> int:
+        taken = set(self.holders.values())
+        for slot in range(self.max_loras):
+            if slot not in taken:
+                return slot
+        victim = next(key for key in self.holders if key not in keep)
+        self.evictions += 1
+        return self.holders.pop(victim)
+
+    def _write(self, slot: int, adapter: PeftAdapter) -> None:
+        rank = adapter.rank
+        used: dict[str, int] = {}
+        for name, parts in PROJECTIONS.items():
+            self.a[name][:, slot].zero_()
+            self.bt[name][:, slot].zero_()
+            targeted = [part for part in parts if part in adapter.target_modules]
+            used[name] = rank * len(targeted)
+            offsets = np.cumsum((0, *self.sizes[name][1]))
+            for layer in range(self.config.num_layers):
+                for k, part in enumerate(targeted):
+                    pair = adapter.weights.get((layer, part))
+                    if pair is None:
+                        continue  # zero rows: this layer leaves the part alone
+                    a, b = pair
+                    j = parts.index(part)
+                    rows = slice(k * rank, (k + 1) * rank)
+                    self.a[name][layer, slot, rows] = a
+                    self.bt[name][layer, slot, rows, offsets[j]:offsets[j + 1]] = \
+                        (self._model_rows(part, b) * adapter.scaling).t()
+        self.used[slot] = used
+        self.loads += 1
+
+    def _model_rows(self, part: str, b: torch.Tensor) -> torch.Tensor:
+        """lora_B's output rows in the order the model keeps that projection's rows: q and k
+        heads are reordered once the rotary runs interleaved (models/llama.py)."""
+        if self.qk_row_order is None or part not in ("q_proj", "k_proj"):
+            return b
+        head_dim = self.config.head_dim
+        heads = b.shape[0] // head_dim
+        return b.view(heads, head_dim, -1)[:, self.qk_row_order].reshape(b.shape)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """The rows of one adapter in a batch, and the rows it uses per projection."""
+
+    slot: int
+    rows: slice | torch.Tensor
+    used: dict[str, int]
+
+
+class LoraBatch:
+    """One forward's adapters: which rows run through which slot."""
+
+    def __init__(self, table: SlotTable, groups: list[RowGroup]) -> None:
+        self.table = table
+        self.groups = groups
+
+    @classmethod
+    def build(cls, table: SlotTable, row_slots: np.ndarray, device: torch.device
+              ) -> LoraBatch:
+        """From each token row's slot (-1: base model)."""
+        groups = []
+        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
+            rows = np.flatnonzero(row_slots == slot)
+            first, last = int(rows[0]), int(rows[-1])
+            selected: slice | torch.Tensor
+            if last - first + 1 == rows.shape[0]:
+                selected = slice(first, last + 1)
+            else:
+                selected = torch.from_numpy(rows).to(device)
+            groups.append(RowGroup(slot, selected, table.used[slot]))
+        return cls(table, groups)
+
+    def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += each group's LoRA product of x, in place (y is the projection's output)."""
+        a_slots, bt_slots = self.table.a[projection][layer], self.table.bt[projection][layer]
+        for group in self.groups:
+            used = group.used.get(projection, 0)
+            if not used:
+                continue
+            a, bt = a_slots[group.slot, :used], bt_slots[group.slot, :used]
+            if isinstance(group.rows, slice):
+                y[group.rows].addmm_(torch.mm(x[group.rows], a.t()), bt)
+            else:
+                shrunk = torch.mm(x.index_select(0, group.rows), a.t())
+                y.index_add_(0, group.rows, torch.mm(shrunk, bt))
+
+
+class LayerLora(NamedTuple):
+    """A batch's adapters as one decoder layer applies them."""
+
+    batch: LoraBatch
+    layer: int
+
+    def add(self, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.batch.add(self.layer, projection, x, y)
