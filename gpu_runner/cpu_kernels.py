@@ -10,6 +10,8 @@ linear layers, and the decoder layer's fused elementwise steps; float32 or bfloa
   product) or six (the rotary embedding in rotate-half layout).
 - pack_panels and panel_linear (csrc/panel_linear.cpp): linear layers for few rows (decode),
   streaming the weights from memory while computing, where MKL leaves the memory idle.
+- lora_add (csrc/lora.cpp): every LoRA adapter group of a batch through one fused projection
+  in one call, where torch takes two small matmuls per group.
 
 It is built on first use with torch.utils.cpp_extension (JIT, cached in the default torch
 extensions folder, so later processes only load it). It is compiled with -march=native: the
@@ -51,7 +53,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp",
-                                       "panel_linear.cpp")]
+                                       "panel_linear.cpp", "lora.cpp")]
 _MARCH_ENV = "PAGEWIRE_CPU_KERNEL_MARCH"
 FORCE_BF16_FALLBACK_ENV = "PAGEWIRE_FORCE_BF16_FALLBACK"
 # /proc/cpuinfo flags of the instructions that multiply bfloat16 (Zen 4 and Cooper Lake on;
@@ -267,6 +269,13 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = _require().panel_linear(rows, panels, bias, out_features)
     return y.view(*x.shape[:-1], out_features)  # type: ignore[no-any-return]
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+             index: tuple[torch.Tensor, ...]) -> None:
+    """y += each adapter group's LoRA product of x, in place (float32). `index` is (rows,
+    group_starts, group_slots, part_rows, ranks, part_offsets): see gpu_runner/lora/slots.py."""
+    _require().lora_add(y, x, a, bt, *index)
 
 
 def _require() -> ModuleType:

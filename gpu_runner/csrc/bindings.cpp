@@ -3,6 +3,7 @@
 
 #include "elementwise.h"
 #include "lanes.h"
+#include "lora.h"
 #include "paged_attention.h"
 #include "panel_linear.h"
 
@@ -29,4 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ weight^T (+ bias) from the weight's panels (float32 or bfloat16, CPU, few "
         "rows)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("out_features"));
+  m.def("lora_add", &lora_add,
+        "y[rows] += (x[rows] @ a[slot].T) @ bt[slot] per adapter group and part of a fused "
+        "projection (float32, CPU; see lora.cpp)",
+        py::arg("y"), py::arg("x"), py::arg("a"), py::arg("bt"), py::arg("rows"),
+        py::arg("group_starts"), py::arg("group_slots"), py::arg("part_rows"),
+        py::arg("ranks"), py::arg("part_offsets"));
 }

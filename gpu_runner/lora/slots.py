@@ -8,10 +8,12 @@ part j of an adapter with rank r takes rows j*r .. (j+1)*r - 1 of `a`, and the s
 two matmuls. Only the parts an adapter targets take rows (`used`); a projection it leaves
 alone costs nothing.
 
-A batch's rows run through their own adapter as groups (a slice when a group's rows are
-contiguous, an index otherwise): per group and projection, y[rows] += (x[rows] @ a.T) @ bt,
-which is PEFT's base(x) + lora_B(lora_A(x)) * scaling. Base-model rows belong to no group.
-This is the seam a GPU kernel (Punica's BGMV / SGMV) replaces: same table, same groups.
+A batch's rows run through their own adapter as groups: per group and projection,
+y[rows] += (x[rows] @ a.T) @ bt, which is PEFT's base(x) + lora_B(lora_A(x)) * scaling.
+Base-model rows belong to no group. On the CPU in float32 one C++ call per projection does
+every group, each part in its own columns only (csrc/lora.cpp); elsewhere torch does two
+matmuls per group (the rows as a slice when contiguous, else an index). This is the seam a
+GPU kernel (Punica's BGMV / SGMV) replaces: same table, same groups.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from gpu_runner import cpu_kernels
 from gpu_runner.config import ModelConfig
 from gpu_runner.lora.peft_format import PeftAdapter
 
@@ -66,6 +69,14 @@ class SlotTable:
                                      dtype=dtype, device=device)
                    for name, (_, parts) in self.sizes.items()}
         self.used: list[dict[str, int]] = [{} for _ in range(max_loras)]  # rows per projection
+        # For the C++ kernel, on the host: each slot's rank, and per projection the first row
+        # of each part in its slot (-1: the adapter leaves that part alone); the parts'
+        # output columns.
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)
+        self.part_rows = {name: torch.full((max_loras, len(parts)), -1, dtype=torch.int64)
+                          for name, parts in PROJECTIONS.items()}
+        self.part_offsets = {name: torch.tensor(np.cumsum((0, *parts)), dtype=torch.int64)
+                             for name, (_, parts) in self.sizes.items()}
         self.holders: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
         self.loads = 0
         self.evictions = 0
@@ -96,6 +107,8 @@ class SlotTable:
         slot = self.holders.pop(key, None)
         if slot is not None:
             self.used[slot] = {}
+            for part_rows in self.part_rows.values():
+                part_rows[slot] = -1
 
     def _free_slot(self, keep: dict[str, PeftAdapter]) -> int:
         taken = set(self.holders.values())
@@ -114,6 +127,8 @@ class SlotTable:
             self.bt[name][:, slot].zero_()
             targeted = [part for part in parts if part in adapter.target_modules]
             used[name] = rank * len(targeted)
+            self.part_rows[name][slot] = torch.tensor(
+                [targeted.index(p) * rank if p in targeted else -1 for p in parts])
             offsets = np.cumsum((0, *self.sizes[name][1]))
             for layer in range(self.config.num_layers):
                 for k, part in enumerate(targeted):
@@ -127,6 +142,7 @@ class SlotTable:
                     self.bt[name][layer, slot, rows, offsets[j]:offsets[j + 1]] = \
                         (self._model_rows(part, b) * adapter.scaling).t()
         self.used[slot] = used
+        self.ranks[slot] = rank
         self.loads += 1
 
     def _model_rows(self, part: str, b: torch.Tensor) -> torch.Tensor:
@@ -151,17 +167,25 @@ class RowGroup:
 class LoraBatch:
     """One forward's adapters: which rows run through which slot."""
 
-    def __init__(self, table: SlotTable, groups: list[RowGroup]) -> None:
+    def __init__(self, table: SlotTable, groups: list[RowGroup], rows: np.ndarray,
+                 group_starts: np.ndarray) -> None:
         self.table = table
         self.groups = groups
+        # The C++ kernel's view of the groups: their rows one after the other, where each
+        # group starts in them, its slot.
+        self.index = (torch.from_numpy(rows), torch.from_numpy(group_starts),
+                      torch.tensor([g.slot for g in groups], dtype=torch.int64))
+        self.use_kernel = (table.a["qkv"].dtype == torch.float32
+                           and cpu_kernels.available(table.a["qkv"].device))
 
     @classmethod
     def build(cls, table: SlotTable, row_slots: np.ndarray, device: torch.device
               ) -> LoraBatch:
         """From each token row's slot (-1: base model)."""
-        groups = []
+        groups, members = [], []
         for slot in np.unique(row_slots[row_slots >= 0]).tolist():
             rows = np.flatnonzero(row_slots == slot)
+            members.append(rows)
             first, last = int(rows[0]), int(rows[-1])
             selected: slice | torch.Tensor
             if last - first + 1 == rows.shape[0]:
@@ -169,11 +193,17 @@ class LoraBatch:
             else:
                 selected = torch.from_numpy(rows).to(device)
             groups.append(RowGroup(slot, selected, table.used[slot]))
-        return cls(table, groups)
+        starts = np.cumsum([0] + [len(rows) for rows in members]).astype(np.int64)
+        return cls(table, groups, np.concatenate(members).astype(np.int64), starts)
 
     def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each group's LoRA product of x, in place (y is the projection's output)."""
         a_slots, bt_slots = self.table.a[projection][layer], self.table.bt[projection][layer]
+        if self.use_kernel and x.stride(-1) == 1 and y.stride(-1) == 1:
+            cpu_kernels.lora_add(y, x, a_slots, bt_slots, (
+                *self.index, self.table.part_rows[projection], self.table.ranks,
+                self.table.part_offsets[projection]))
+            return
         for group in self.groups:
             used = group.used.get(projection, 0)
             if not used:

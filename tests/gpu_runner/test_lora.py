@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_runner import cpu_kernels
 from gpu_runner.batch import ExecuteBatch
 from gpu_runner.lora.manager import AdapterConflictError, AdapterUnknownError
 from gpu_runner.lora.peft_format import AdapterError, AdapterNotFoundError
@@ -86,9 +87,15 @@ def run_staggered(driver: PagedDriver, prompts: list[list[int]], adapters: list[
         step += 1
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch,kernel", [("qwen2", True), ("qwen3", True), ("llama", True),
+                                         ("llama", False)])
 def test_mixed_adapters_and_base_match_peft(tiny_model_dirs: dict[str, Path],
-                                           adapter_dirs: dict, arch: str) -> None:
+                                           adapter_dirs: dict, arch: str, kernel: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernel: the C++ LoRA kernel (float32 CPU); else torch's two matmuls per group."""
+    assert cpu_kernels.available(), cpu_kernels.failure_reason()
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "available", lambda device="cpu": False)
     base = tiny_model_dirs[arch]
     runner = lora_runner(base)
     for name in ADAPTERS:
