@@ -212,12 +212,16 @@ def start_server(
     serving: bool = True,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     loop: asyncio.AbstractEventLoop | None = None,
+    auth: grpc.ServerInterceptor | None = None,
 ) -> GrpcService:
     """Builds, binds and starts a server with health, reflection and metrics.
 
     `register` adds the service's servicers; `service_names` are their full names (e.g.
     `block_pb2.DESCRIPTOR.services_by_name["BlockService"].full_name`) for health and
     reflection. With `serving=False` health says NOT_SERVING until set_serving(True).
+    `auth` replaces the bearer-token check made from `options.auth_tokens` (the gateway's
+    checks two kinds of token); it runs first, before interceptors that keep one handler per
+    method (MetricsInterceptor) and so would keep its first answer for every later call.
 
     With `loop` (running on another thread), the server is a grpc.aio one on that loop: its
     coroutine handlers hold no thread while they wait, and its synchronous handlers (health,
@@ -236,9 +240,10 @@ def start_server(
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
     ]
-    auth = ([TokenAuthInterceptor(options.auth_tokens, options.on_auth_refusal)]
-            if options.auth_tokens else [])
-    all_interceptors = [*auth, MetricsInterceptor(), *interceptors, *interceptors_from_env()]
+    if auth is None and options.auth_tokens:
+        auth = TokenAuthInterceptor(options.auth_tokens, options.on_auth_refusal)
+    all_interceptors = [*([auth] if auth is not None else []), MetricsInterceptor(),
+                        *interceptors, *interceptors_from_env()]
     pool = futures.ThreadPoolExecutor(max_workers=options.max_workers)
     health_servicer = health.HealthServicer()
     address = f"{options.host}:{options.port}"

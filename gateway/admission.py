@@ -4,6 +4,9 @@ Both public APIs build their requests here (gRPC's GenerateRequest as it came, t
 as gateway/http/protocol.py made it from an OpenAI body), so they check, tokenize and refuse
 alike. An InvalidRequest message names the field at fault first: each API labels its refusals
 by it. The engine's own refusal (a full queue: engine.AdmissionError) comes later, at submit.
+A request's `model` is resolved here too (gateway/adapters.py ModelNames): the base model or a
+LoRA adapter, whose digest goes into the request's cache salt; an unknown name is
+UnknownModel (gRPC NOT_FOUND, HTTP 404).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
+from gateway.adapters import ModelNames, effective_salt
 from gateway.config import GatewayConfig
 from gateway.delivery import MessageSink
 from gateway.engine import BackendInfo, Engine
@@ -55,6 +59,12 @@ class Admission:
         self.limits = _limits(engine.config, info)
         self.defaults = defaults or SamplingDefaults.none()
         self.served_model_name = served_model_name or info.model
+        # The model folder's name stays an alias of the model's own (the default model was
+        # served by its folder's name before it had a name of its own); a --served-model-name
+        # is the only name, as in vLLM.
+        name = self.served_model_name
+        aliases = {tokenizer.folder.name} - {name} if name == info.model else set()
+        self.models = ModelNames(name, frozenset(aliases), engine.adapters)
         self._formats: FormatCompiler | None = None
         self._formats_lock = threading.Lock()
         try:  # the defaults alone must make a valid request
@@ -73,9 +83,11 @@ class Admission:
         """A validated engine request (InvalidRequest when it cannot be served), its messages
         going to `stream` (default: a queue read by `Request.messages`); an unset max_tokens
         is what fits, capped at the generation config's max_new_tokens, else at
-        `default_max_tokens`. Unset sampling fields take the server's defaults. Tokenizing a
+        `default_max_tokens`. Unset sampling fields take the server's defaults;
+        UnknownModel when `model` names neither the base model nor an adapter. Tokenizing a
         long prompt takes a while: call it off the event loop."""
         check_identifiers(request.request_id, request.cache_salt)
+        adapter = self.models.resolve(request.model)
         tool_use = check_tool_use(request)
         if request.WhichOneof("input") == "prompt_token_ids":
             check_prompt_length(len(request.prompt_token_ids.token_ids), self.limits)
@@ -97,7 +109,8 @@ class Admission:
             eos_ids=frozenset(self._info.eos_token_ids),
             decode=self.tokenizer.decode,
             decode_batch=self.tokenizer.decode_batch,
-            cache_salt=request.cache_salt,
+            cache_salt=effective_salt(request.cache_salt, adapter),
+            adapter=adapter.name if adapter is not None else "",
             final_only=request.final_only,
             stream=stream,
             stream_interval=stream_interval(

@@ -14,7 +14,7 @@ import grpc
 from common.log import setup_logging
 from common.security import ClientTls
 from gateway.client import PagewireClient, finish_reason_name
-from gateway.config import ROUTING, add_generation_config_arguments
+from gateway.config import ROUTING, add_generation_config_arguments, add_lora_modules_argument
 from gateway.launcher import (
     DEFAULT_HTTP_PORT,
     RUNNER_DTYPES,
@@ -97,6 +97,12 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gateway processes, on --port and the ports after it")
     parser.add_argument("--routing", default=None, choices=ROUTING,
                         help="how gateways place requests on runners (default: prefix)")
+    add_lora_modules_argument(parser)
+    parser.add_argument("--max-loras", type=_at_least_zero, default=None,
+                        help="LoRA adapters one batch of a runner may use (its slot table; "
+                             "default: 4 with --lora-modules, else 0: no adapters)")
+    parser.add_argument("--max-lora-rank", type=_at_least_one, default=None,
+                        help="highest LoRA rank the runners accept (default: the runner's, 16)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where the services' logs go (default: a new temp folder)")
     parser.add_argument("--journal-dir", type=Path, default=None,
@@ -115,6 +121,13 @@ def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is less than 0")
     return value
 
 
@@ -226,6 +239,8 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         max_num_seqs=args.max_num_seqs, runners=args.runners, gateways=args.gateways,
         routing=args.routing, log_dir=args.log_dir, journal_dir=args.journal_dir,
         restart=not args.no_restart, services_nice=args.services_nice,
+        lora_modules=list(args.lora_modules), max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
 
 

@@ -47,15 +47,16 @@ def finish_reason_name(value: int) -> str:
 
 def build_request(prompt: str | None = None, messages: Iterable[MessageLike] | None = None,
                   token_ids: Sequence[int] | None = None, *, request_id: str = "",
-                  cache_salt: str = "", final_only: bool = False,
+                  cache_salt: str = "", final_only: bool = False, model: str = "",
                   **params: Any) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest from exactly one of prompt / messages / token_ids and sampling
-    parameters by their proto names (max_tokens, temperature, stop, n, seed, ...)."""
+    parameters by their proto names (max_tokens, temperature, stop, n, seed, ...); `model`:
+    a LoRA adapter's name ("": the base model)."""
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     request = gateway_pb2.GenerateRequest(
-        request_id=request_id, cache_salt=cache_salt, final_only=final_only,
+        request_id=request_id, cache_salt=cache_salt, final_only=final_only, model=model,
         sampling_params=gateway_pb2.SamplingParams(**params),
     )
     if prompt is not None:
@@ -107,11 +108,12 @@ class PagewireClient:
                  messages: Iterable[MessageLike] | None = None,
                  token_ids: Sequence[int] | None = None, *, timeout: float | None = None,
                  request_id: str = "", cache_salt: str = "", final_only: bool = False,
-                 **params: Any) -> Iterator[gateway_pb2.GenerateResponse]:
+                 model: str = "", **params: Any) -> Iterator[gateway_pb2.GenerateResponse]:
         """The stream of deltas (cancel it with .cancel() on the returned iterator); with
         `final_only`, one message with the whole completion when it ends."""
         request = build_request(prompt, messages, token_ids, request_id=request_id,
-                                cache_salt=cache_salt, final_only=final_only, **params)
+                                cache_salt=cache_salt, final_only=final_only, model=model,
+                                **params)
         return self.stub.Generate(request, timeout=timeout)  # type: ignore[no-any-return]
 
     def complete(self, prompt: str | None = None,

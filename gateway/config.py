@@ -80,6 +80,8 @@ class GatewayConfig:
     backend_tls_cert: str = ""  # the gateway's certificate, for mutual TLS
     backend_tls_key: str = ""
     backend_token: str = ""  # bearer token sent to them
+    # LoRA adapters (name, path on the runners) loaded at start, before serving.
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -190,10 +192,29 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend-auth-token-file", default="",
                         help="token file (as --auth-token-file) whose first token is sent to "
                              "the backends")
+    add_lora_modules_argument(parser)
     if "PAGEWIRE_GATEWAY_MAX_WORKERS" not in os.environ:
         parser.set_defaults(max_workers=DEFAULT_MAX_WORKERS)
     if "PAGEWIRE_GATEWAY_MAX_MESSAGE_BYTES" not in os.environ:
         parser.set_defaults(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES)
+
+
+def add_lora_modules_argument(parser: argparse.ArgumentParser) -> None:
+    """--lora-modules (the gateway's and `pagewire serve`'s)."""
+    parser.add_argument("--lora-modules", nargs="+", default=[], type=lora_module,
+                        metavar="NAME=PATH",
+                        help="LoRA adapters to serve from the start, each as name=path (a "
+                             "folder of PEFT's adapter_config.json and "
+                             "adapter_model.safetensors on the runners); requests name them "
+                             "in `model`. The runners need --max-loras > 0")
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """A --lora-modules item: name=path."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: give name=path")
+    return name, path
 
 
 def add_generation_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -248,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         backend_tls_cert=args.backend_tls_cert,
         backend_tls_key=args.backend_tls_key,
         backend_token=_first_token(args.backend_auth_token_file),
+        lora_modules=list(args.lora_modules),
     )
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import grpc
 
 from gateway import metrics
+from gateway.adapters import AdapterCatalog
 from gateway.config import GatewayConfig
 from gateway.request import Request
 from gateway.retry import RETRYABLE, RetryPolicy
@@ -58,6 +59,8 @@ class Engine:
         self.config = config
         self.retry = RetryPolicy.from_config(config)
         self.info: BackendInfo | None = None  # of the first runner (all serve one model)
+        # The LoRA adapters served: every loop keeps its runner in step with it.
+        self.adapters = AdapterCatalog()
         self._block_channel = block_channel
         self._blocks = block_pb2_grpc.BlockServiceStub(block_channel)
         self._open_runner_channel = open_runner_channel
@@ -153,6 +156,7 @@ class Engine:
             request.fail("UNAVAILABLE", f"pagewire cannot serve now: {problem}; retry later")
             metrics.REQUESTS.labels("unavailable").inc()
             return
+        metrics.ADAPTER_REQUESTS.labels(request.adapter).inc()
         self._place(request)
 
     def abort(self, request: Request) -> None:
@@ -171,6 +175,8 @@ class Engine:
         """Hands a request to a serving loop, or keeps it until there is one (waiting since
         `since`: now when not given)."""
         loops = [loop for loop in self.loops if loop.health.serving]
+        if request.adapter:  # not on a runner that refused its adapter, when others have it
+            loops = [loop for loop in loops if loop.serves_adapter(request.adapter)] or loops
         with self._lock:
             if self._aborted_unplaced.pop(request.request_id, None) is not None:
                 request.abort_outputs()
@@ -268,7 +274,7 @@ class Engine:
 
     def _start_loop(self, pool_id: str, address: str) -> None:
         loop = RunnerLoop(self.config, pool_id, address, self._block_channel,
-                          self._channel(pool_id, address))
+                          self._channel(pool_id, address), self.adapters)
         try:
             info = loop.start(LOOP_START_TIMEOUT_S)
         except grpc.RpcError as error:

@@ -45,6 +45,8 @@ DEFAULT_HTTP_PORT = 8000
 # The runner's --dtype choices (gpu_runner.runner.DTYPES; a test holds the two equal). Named
 # here so that the CLI can check the flag without importing torch.
 RUNNER_DTYPES = ("float32", "bfloat16", "float16")
+# The runners' --max-loras when adapters are served (--lora-modules) and it is not given.
+DEFAULT_MAX_LORAS = 4
 
 
 @dataclass
@@ -70,6 +72,11 @@ class LaunchConfig:
     gateways: int = 1  # gateway processes, on port, port + 1, ...
     routing: str | None = None  # the gateways' --routing
     runner_args: list[str] = field(default_factory=list)
+    # LoRA: the gateways' --lora-modules (name, path), the runners' --max-loras (None: 0, or
+    # DEFAULT_MAX_LORAS with lora_modules) and --max-lora-rank (None: the runner's default).
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     log_dir: Path | None = None
     journal_dir: Path | None = None  # the block service's journal (default: under log_dir)
     startup_timeout_s: float = 900.0  # a first start converts the default model
@@ -261,6 +268,12 @@ class Launcher:
                             ("--max-model-len", c.max_model_len), ("--dtype", c.dtype)):
             if value is not None:
                 flags += [name, str(value)]
+        max_loras = c.max_loras
+        if max_loras is None and c.lora_modules:
+            max_loras = DEFAULT_MAX_LORAS
+        for name, value in (("--max-loras", max_loras), ("--max-lora-rank", c.max_lora_rank)):
+            if value is not None:
+                flags += [name, str(value)]
         if c.runners > 1 and "--num-threads" not in c.runner_args:
             # The runners share this machine's cores: a thread team each would oversubscribe.
             flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // c.runners))]
@@ -285,6 +298,8 @@ class Launcher:
                             ("--max-num-seqs", c.max_num_seqs), ("--routing", c.routing)):
             if value is not None:
                 flags += [name, str(value)]
+        if c.lora_modules:
+            flags += ["--lora-modules", *(f"{name}={path}" for name, path in c.lora_modules)]
         return flags
 
     def _start_children(self, children: list[Child]) -> None:

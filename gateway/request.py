@@ -177,16 +177,18 @@ class Request:
                  stream: MessageSink | None = None, stream_interval: int = 1,
                  decode_batch: DecodeBatchFn | None = None,
                  output_format: CompiledFormat | None = None,
-                 parses_tool_calls: bool = False) -> None:
+                 parses_tool_calls: bool = False, adapter: str = "") -> None:
         """`output_format`: structured output (each output gets a matcher of it);
-        `parses_tool_calls`: tool calls are taken out of the outputs' text."""
+        `parses_tool_calls`: tool calls are taken out of the outputs' text; `adapter`: the
+        LoRA adapter it runs on ("": the base model), whose digest `cache_salt` holds."""
         self.request_id = request_id  # unique inside the gateway
         self.public_id = public_id or request_id  # what the client sees
         self.prompt_ids = prompt_ids
         self.params = params
         self.max_len = max_len  # longest prompt + output: max_model_len, or what the pool holds
         self.eos_ids = eos_ids
-        self.cache_salt = cache_salt
+        self.cache_salt = cache_salt  # the effective salt (gateway/adapters.py)
+        self.adapter = adapter
         self.final_only = final_only  # one message, at the end
         self.stream_interval = stream_interval  # tokens per message, at most (the last aside)
         # Whether each token's text is needed as it comes: stop strings are looked for in it,
@@ -218,7 +220,7 @@ class Request:
         seqs = [
             Seq(self.request_id, i, list(self.prompt_ids), len(self.prompt_ids),
                 output_seed(self.params.seed, i), cache_salt=self.cache_salt,
-                max_num_tokens=max_num_tokens)
+                adapter=self.adapter, max_num_tokens=max_num_tokens)
             for i in range(n)
         ]
         if n > 1 and len(self.prompt_ids) >= 2:

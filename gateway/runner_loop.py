@@ -16,6 +16,9 @@ the loop re-creates the pool and a session and puts every running sequence back 
 to be recomputed: streams go on unchanged. When the runner leaves for good, the engine
 `retire`s the loop and moves its requests, to be recomputed the same way, to other runners.
 Calls go through gateway/retry.py (deadlines, retries, "down" backends).
+LoRA adapters (gateway/adapters.py): before each step the loop's thread loads the catalog's
+adapters its runner lacks (after a reset: all of them) and unloads those taken out of the
+catalog once none of its live sequences uses them any more.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gateway import metrics
+from gateway.adapters import AdapterCatalog, RunnerAdapters
 from gateway.config import GatewayConfig
 from gateway.delivery import Outbox
 from gateway.grammar import Backend, FormatMatcher
@@ -99,6 +103,8 @@ class BackendInfo:
     dtype: str
     device: str
     epoch: int
+    max_loras: int = 0  # distinct LoRA adapters per batch; 0: the runner serves none
+    max_lora_rank: int = 0
 
     @property
     def max_len(self) -> int:
@@ -110,7 +116,10 @@ class RunnerLoop:
     """Schedules and runs the requests a gateway placed on one runner."""
 
     def __init__(self, config: GatewayConfig, pool_id: str, address: str,
-                 block_channel: grpc.Channel, runner_channel: grpc.Channel) -> None:
+                 block_channel: grpc.Channel, runner_channel: grpc.Channel,
+                 catalog: AdapterCatalog | None = None) -> None:
+        """`catalog`: the LoRA adapters the gateway serves (the engine's), kept loaded on
+        this runner."""
         self.config = config
         self.pool_id = pool_id
         self.address = address
@@ -126,6 +135,8 @@ class RunnerLoop:
             response_deserializer=runner_pb2.ExecuteResponse.FromString)
         self._step_stream = StepStreamClient(self._blocks, self.retry.control_timeout_s)
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs)
+        self.adapters = RunnerAdapters(catalog or AdapterCatalog(), self._runner,
+                                       self.runner_name, self.retry.control_timeout_s)
         self.info: BackendInfo | None = None
         self._session_id = ""
         self._step_id = 0
@@ -153,6 +164,7 @@ class RunnerLoop:
         """Waits for the runner, creates the pool, opens a session, starts the threads."""
         self.info = self._wait_for_runner(timeout_s)
         self.scheduler.block_size = self.info.block_size
+        self.scheduler.max_loras = self.info.max_loras
         self._create_pool(self.info)
         self._open_session()
         self._loop_thread = threading.Thread(target=self._run, name=f"loop {self.address}",
@@ -196,6 +208,23 @@ class RunnerLoop:
         """`listener(serving)` is called now and whenever a backend goes down or comes back
         (the engine combines the loops')."""
         self.health.set_listener(listener)
+
+    @property
+    def max_loras(self) -> int:
+        """Distinct adapters one batch of its runner may name (0: it serves none)."""
+        return self.info.max_loras if self.info is not None else 0
+
+    def serves_adapter(self, name: str) -> bool:
+        """False when its runner refused a catalog adapter (the engine places the adapter's
+        requests elsewhere when it can)."""
+        return not self.adapters.failure(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """The catalog dropped `name`: the loop unloads it from the runner once none of its
+        sequences uses it (any thread)."""
+        self.adapters.retire(name)
+        with self._lock:
+            self._lock.notify_all()
 
     @property
     def num_queued(self) -> int:
@@ -357,6 +386,8 @@ class RunnerLoop:
                 self._needs_reset |= self.info is None or seen != self.info.epoch
             if self._needs_reset:
                 self._reset()
+            if self.adapters.sync(self._adapters_in_use):
+                self._end_unservable_requests()
             if not self.scheduler.has_work:
                 self._wait_for_work()
                 return
@@ -373,11 +404,46 @@ class RunnerLoop:
                     and not self._epoch_seen):
                 self._lock.wait(_IDLE_WAIT_S)
 
+    def _adapters_in_use(self) -> set[str]:
+        """The adapters of its live requests and of the Executes in flight (whose rows may
+        be of requests that have just ended)."""
+        with self._lock:
+            used = {request.adapter for request in self._inbox}
+        used.update(request.adapter for request in self._requests.values())
+        for in_flight in self._in_flight:
+            used.update(item.seq.adapter for item in in_flight.work)
+        return used
+
+    def _adapter_refusal(self, request: Request) -> tuple[str, str] | None:
+        """Why a request's adapter cannot run here (code name, message), or None."""
+        name = request.adapter
+        if not name or self.adapters.is_loaded(name):
+            return None
+        why = self.adapters.failure(name)
+        if why:
+            return "FAILED_PRECONDITION", f"LoRA adapter {name!r} could not be loaded on " \
+                                          f"{self.runner_name}: {why}"
+        return "NOT_FOUND", f"LoRA adapter {name!r} is no longer served"
+
+    def _end_unservable_requests(self) -> None:
+        """Ends the requests whose adapter the runner does not hold (it refused it after a
+        restart, or it was unloaded meanwhile): an Execute naming it would be refused whole."""
+        for request in [r for r in self._requests.values() if r.adapter]:
+            refusal = self._adapter_refusal(request)
+            if refusal is not None:
+                self._forget(request)
+                self._end_request(request, "failed", refusal)
+
     def _take_inbox(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
         for request in inbox:
+            refusal = self._adapter_refusal(request)
+            if refusal is not None:
+                request.fail(*refusal)
+                metrics.REQUESTS.labels("failed").inc()
+                continue
             self._requests[request.request_id] = request
             self._sampling_rows[request.request_id] = SamplingRow.from_config(request.params)
             self.scheduler.add(seq for seq in request.sequences
@@ -390,6 +456,8 @@ class RunnerLoop:
         self._update_gauges()
 
     def _forget(self, request: Request) -> None:
+        metrics.ADAPTER_GENERATED_TOKENS.labels(request.adapter).inc(
+            sum(seq.num_output_tokens for seq in request.sequences))
         del self._requests[request.request_id]
         del self._sampling_rows[request.request_id]
 
@@ -631,8 +699,14 @@ class RunnerLoop:
         are recomputed from their tokens so far."""
         started = time.monotonic()
         self._drop_in_flight()
+        previous = self.info
         self.info = self._wait_for_runner(self.retry.give_up_s)
         self.scheduler.block_size = self.info.block_size
+        self.scheduler.max_loras = self.info.max_loras
+        if previous is None or previous.epoch != self.info.epoch:
+            # A new epoch is a new runner process: its adapters are gone with its memory
+            # (the next sync loads the catalog's again, before any step).
+            self.adapters.reset()
         self._create_pool(self.info)
         self._close_session()
         self._open_session()
@@ -677,7 +751,8 @@ def _backend_info(reply: runner_pb2.InfoResponse) -> BackendInfo:
         model=reply.model, architecture=reply.architecture, vocab_size=reply.vocab_size,
         eos_token_ids=list(reply.eos_token_ids), max_model_len=reply.max_model_len,
         num_blocks=reply.num_blocks, block_size=reply.block_size, dtype=reply.dtype,
-        device=reply.device, epoch=reply.epoch,
+        device=reply.device, epoch=reply.epoch, max_loras=reply.max_loras,
+        max_lora_rank=reply.max_lora_rank,
     )
 
 

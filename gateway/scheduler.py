@@ -8,6 +8,10 @@ Policy (as vLLM's V1 scheduler):
   being prefilled, all under the token budget (`max_num_batched_tokens`);
 - then FCFS admission of waiting sequences while the budget and `max_num_seqs` allow; a prompt
   longer than the remaining budget is prefilled in chunks over several steps;
+- LoRA (as vLLM's): a step names at most `max_loras` distinct adapters. A waiting sequence
+  whose adapter is not among the running ones while they already name `max_loras` is skipped
+  (it keeps its place; base sequences and those of running adapters behind it go on being
+  admitted) until a running adapter's sequences have all finished;
 - when the block service has no block for a decode, the most recently admitted running
   sequence is preempted: its blocks are freed and it goes back to the FRONT of the queue with
   its prompt and every token generated so far, to be recomputed (its output is unchanged).
@@ -149,9 +153,12 @@ class Scheduler:
     """Holds the waiting queue and the running set; plans steps and applies their results."""
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int,
-                 block_size: int = 0) -> None:
+                 block_size: int = 0, max_loras: int = 0) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # Distinct LoRA adapters the runner takes in one batch (0: it serves none, and no
+        # sequence names one).
+        self.max_loras = max_loras
         # The runner's block size (0: unknown, no prompt waits for another's first block).
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
@@ -284,14 +291,21 @@ class Scheduler:
     def _schedule_admissions(self, plan: StepPlan, budget: int) -> None:
         seats = self.max_num_seqs - self.num_running_seqs
         computing = self._first_blocks_computing()
+        adapters = {seq.adapter for seq in self.running if seq.adapter}
+        skipped: list[Sequence] = []  # waiting for a LoRA slot: they keep their places
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self._waits_for_lora(seq, adapters):
+                skipped.append(self.waiting.popleft())
+                continue
             need_seats = 1 + len(seq.pending_children)
             if need_seats > seats:
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # FCFS: nobody overtakes the head of the queue (but LoRA waits)
             if self._waits_for_prefix(seq, computing):
                 break
             self.waiting.popleft()
+            if seq.adapter:
+                adapters.add(seq.adapter)
             seq.block_seq_id = next(self._block_seq_ids)
             # The prefix-cache hit is unknown until the block service answers, so the grant
             # assumes none; apply_results starts it after the cached tokens.
@@ -299,6 +313,13 @@ class Scheduler:
             plan.allocates.append(Grant(seq, grant))
             budget -= grant
             seats -= need_seats
+        self.waiting.extendleft(reversed(skipped))
+
+    def _waits_for_lora(self, seq: Sequence, adapters: set[str]) -> bool:
+        """Whether admitting `seq` would make the running set name more than max_loras
+        distinct adapters (`adapters`: those it names, admissions of this step included)."""
+        return (bool(seq.adapter) and seq.adapter not in adapters
+                and 0 < self.max_loras <= len(adapters))
 
     def _waits_for_prefix(self, seq: Sequence, computing: dict[FirstBlock, list[int]]) -> bool:
         """Whether the queue head waits for a prefix that a running prompt (or one admitted in

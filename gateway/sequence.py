@@ -64,7 +64,10 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     prompt_len: int
     seed: int
-    cache_salt: str = ""  # prefixes are shared only between sequences with the same salt
+    # Prefixes are shared only between sequences with the same salt: the client's, with the
+    # adapter's digest folded in for an adapter's (gateway/adapters.py effective_salt).
+    cache_salt: str = ""
+    adapter: str = ""  # the LoRA adapter its tokens run through, by name; "": the base model
     status: SeqStatus = SeqStatus.WAITING
     # Children to fork once this sequence's prompt (but its last token) is computed.
     pending_children: list[Sequence] = field(default_factory=list)

@@ -1,4 +1,8 @@
-"""Starts the gateway service: tokenizer, engine, gRPC server; stops it on SIGTERM/SIGINT."""
+"""Starts the gateway service: tokenizer, engine, gRPC server; stops it on SIGTERM/SIGINT.
+
+The gRPC server serves GenerationService (public tokens) and AdminService (the internal
+token: gateway/admin.py); --lora-modules are loaded before either is served.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from common.server import (
     start_server,
 )
 from gateway import refusals
+from gateway.adapters import AdapterAdmin, AdapterError
+from gateway.admin import ADMIN_SERVICE, AdminServicer, GatewayAuth
 from gateway.admission import Admission
 from gateway.config import (
     DEFAULT_GATEWAY_PORT,
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 SERVICE_NAME = SERVICE.full_name
+ADMIN_SERVICE_NAME = ADMIN_SERVICE.full_name
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -73,6 +80,10 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+class StartError(Exception):
+    """The gateway cannot serve as configured (a --lora-modules adapter did not load)."""
+
+
 class Gateway:
     """A running gateway: its channels, engine and server."""
 
@@ -87,6 +98,7 @@ class Gateway:
                              lambda address: _backend_channel(config, address))
         self.service: GrpcService | None = None
         self.servicer: GenerationServicer | None = None
+        self.admin: AdapterAdmin | None = None
         self.http: HttpServer | None = None
         self._options = replace(options, on_auth_refusal=_auth_refused)
         self._event_loop: EventLoopThread | None = None
@@ -100,22 +112,42 @@ class Gateway:
         log.info("serving the model as %r; default sampling: %s (a request's own parameters "
                  "win)", admission.served_model_name, self.defaults.describe())
         self.servicer = servicer
+        engine = self.engine
+        self.admin = admin = AdapterAdmin(admission.models, lambda: engine.loops)
+        self._load_lora_modules(admin)
+        admin_servicer = AdminServicer(admin)
         self._event_loop = EventLoopThread()
+        # The tokens are checked by GatewayAuth: public ones, and the internal one for
+        # AdminService (start_server's own check would take a public token for both).
+        auth = GatewayAuth(self._options.auth_tokens, self.config.backend_token,
+                           self._options.on_auth_refusal)
         self.service = start_server(
             self._options,
-            lambda server: server.add_generic_rpc_handlers(
-                (lenient_handlers(servicer, SERVICE, gateway_pb2),)),
-            [SERVICE_NAME],
+            lambda server: server.add_generic_rpc_handlers((
+                lenient_handlers(servicer, SERVICE, gateway_pb2),
+                lenient_handlers(admin_servicer, ADMIN_SERVICE, gateway_pb2))),
+            [SERVICE_NAME, ADMIN_SERVICE_NAME],
             loop=self._event_loop.loop,
+            auth=auth if auth.checks_tokens else None,
         )
         # Health follows the backends: NOT_SERVING while the runner or block service is down.
         self.engine.set_health_listener(self.service.set_serving)
         if self.config.http_port:
-            api = HttpApi(self.engine, admission, self._options)
+            api = HttpApi(self.engine, admission, self._options, admin)
             self.http = HttpServer(api, self._options, self.config.http_port,
                                    self._event_loop.loop)
             self.http.start()
         return self.service
+
+    def _load_lora_modules(self, admin: AdapterAdmin) -> None:
+        """Loads the --lora-modules adapters, before anything is served (StartError)."""
+        for name, path in self.config.lora_modules:
+            try:
+                adapter = admin.load(name, path)
+            except AdapterError as error:
+                raise StartError(f"--lora-modules {name}={path}: {error.code_name}: "
+                                 f"{error.message}") from None
+            log.info("LoRA adapter %s (rank %d) loaded from %s", name, adapter.rank, path)
 
     def stop(self) -> None:
         """Ends unfinished streams (abort), drains the server, closes the session."""
@@ -161,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     try:
         service = gateway.start()
-    except GenerationConfigError as error:  # out of range for this model
+    except (GenerationConfigError, StartError) as error:  # defaults, --lora-modules
         gateway.stop()
         parser.error(str(error))
     log.info("gateway serving on %s:%d (block service %s, runners %s)", args.host,

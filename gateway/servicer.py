@@ -10,6 +10,7 @@ from typing import NoReturn
 import grpc
 
 from gateway import refusals
+from gateway.adapters import UnknownModel
 from gateway.admission import Admission
 from gateway.delivery import AsyncSink, Item, StreamError
 from gateway.engine import AdmissionError, Engine
@@ -48,6 +49,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             engine_request = await asyncio.to_thread(self.admission.build_request, request, sink)
         except InvalidRequest as error:
             await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, error)
+        except UnknownModel as error:
+            await _refuse(context, grpc.StatusCode.NOT_FOUND, error, "model_not_found")
         client = peer_key(context.invocation_metadata(), context.peer(), self._tokens_checked)
         try:
             release = self.streams.acquire(client)
@@ -99,6 +102,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             block_size=info.block_size, dtype=info.dtype, device=info.device,
             default_sampling_params=admission.defaults.params,
             has_chat_template=admission.tokenizer.has_chat_template,
+            adapters=[gateway_pb2.LoraAdapter(name=a.name, path=a.path, rank=a.rank)
+                      for a in admission.models.catalog.list()],
         )
 
 

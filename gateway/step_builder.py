@@ -242,6 +242,9 @@ def build_execute_request(work: list[Work], copies: list[block_pb2.BlockCopy], e
     request.do_sample.extend([item.do_sample for item in work])
     request.pending_token_indices.extend(pending_indices)
     request.pending_sample_rows.extend(pending_sample_rows)
+    adapters = [item.seq.adapter for item in work]
+    if any(adapters):  # base-only steps leave the column empty: nothing to send or read
+        request.adapters.extend(adapters)
     _add_sampling_columns(request, work, params_of)
     return ExecuteCall(request, b"".join(tables))
 

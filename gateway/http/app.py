@@ -5,7 +5,9 @@ to the same engine as the gRPC servicer (no extra hop). Requests are built and c
 gateway/admission.py, as gRPC's are (on a worker thread: tokenizing must not stall the loop's
 other streams); the runner loops hand each step's messages to this loop in one batch
 (gateway/delivery.py). HTTP requests have their own limits (--max-http-streams), apart from
-gRPC's (--max-streams). docs/api.md describes the endpoints.
+gRPC's (--max-streams). LoRA adapters are loaded and unloaded through the gateway's
+AdapterAdmin (gateway/adapters.py), as the gRPC AdminService does. docs/api.md describes the
+endpoints.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common.server import ServerOptions
 from gateway import refusals
+from gateway.adapters import AdapterAdmin, AdapterError, ModelNames, UnknownModel
 from gateway.admission import Admission
 from gateway.delivery import AsyncSink, Item, StreamError
 from gateway.engine import AdmissionError, Engine
@@ -43,8 +46,8 @@ from gateway.http.protocol import (
     KNOWN_FIELDS,
     Fields,
     Job,
-    ServedModel,
     check_model,
+    model_not_found,
     parse_chat,
     parse_completion,
     parse_json,
@@ -87,18 +90,15 @@ class HttpApi:
     """The endpoints, over one gateway's engine; `admission` builds and checks the requests
     (the gRPC servicer's too)."""
 
-    def __init__(self, engine: Engine, admission: Admission, options: ServerOptions) -> None:
+    def __init__(self, engine: Engine, admission: Admission, options: ServerOptions,
+                 admin: AdapterAdmin | None = None) -> None:
+        """`admin` loads and unloads LoRA adapters (default: one over the engine's loops)."""
         self._engine = engine
         self._admission = admission
         self._tokenizer = admission.tokenizer
         self._options = options
-        # The model folder's name stays an alias of the model's own (the default model was
-        # served by its folder's name before it had a name of its own); a --served-model-name
-        # is the only name, as in vLLM.
-        name = admission.served_model_name
-        own_name = name == admission.model_info().model
-        aliases = {admission.tokenizer.folder.name} - {name} if own_name else set()
-        self._model = ServedModel(name, frozenset(aliases))
+        self._model: ModelNames = admission.models  # base name, aliases, adapters
+        self._admin = admin or AdapterAdmin(admission.models, lambda: engine.loops)
         self._expected = [f"Bearer {t}".encode() for t in options.auth_tokens]
         config = engine.config
         # Not the gRPC servicer's limiter: HTTP has limits of its own (docs/gateway.md).
@@ -109,6 +109,8 @@ class HttpApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -132,11 +134,46 @@ class HttpApi:
 
     async def models(self, request: HttpRequest) -> Response:
         info = self._admission.model_info()
+        max_len = self._admission.limits.max_len
+        base = self._model.name
+        # vLLM's shape: the base model, then each adapter with its folder as root and the
+        # base model as parent.
+        adapters = [{"id": adapter.name, "object": "model", "created": 0,
+                     "owned_by": "pagewire", "root": adapter.path, "parent": base,
+                     "max_model_len": max_len} for adapter in self._model.catalog.list()]
         return JSONResponse({"object": "list", "data": [{
-            "id": self._model.name, "object": "model", "created": 0, "owned_by": "pagewire",
-            "root": info.model, "max_model_len": self._admission.limits.max_len,
+            "id": base, "object": "model", "created": 0, "owned_by": "pagewire",
+            "root": info.model, "parent": None, "max_model_len": max_len,
             # What a request's unset sampling fields take (docs/api.md).
-            "default_sampling_params": self._admission.defaults.as_dict()}]})
+            "default_sampling_params": self._admission.defaults.as_dict()}, *adapters]})
+
+    async def load_lora_adapter(self, request: HttpRequest) -> Response:
+        """vLLM's: {"lora_name", "lora_path"}; 200 with a line of text once it is served."""
+        fields = Fields(await _body(request, self._options), {"lora_name", "lora_path"})
+        name, path = fields.string("lora_name"), fields.string("lora_path")
+        for field, value in (("lora_name", name), ("lora_path", path)):
+            if not value:
+                raise invalid(f"{field} is missing: give lora_name and lora_path",
+                              param=field, reason=field)
+        try:
+            await asyncio.to_thread(self._admin.load, name, path)
+        except AdapterError as error:
+            raise _adapter_error(error) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: HttpRequest) -> Response:
+        """vLLM's: {"lora_name"}; 404 for an adapter not served."""
+        # vLLM's lora_int_id names nothing here: taken only as null.
+        fields = Fields(await _body(request, self._options), {"lora_name"},
+                        {"lora_int_id": lambda _value: False})
+        name = fields.string("lora_name")
+        if not name:
+            raise invalid("lora_name is missing", param="lora_name", reason="lora_name")
+        try:
+            await asyncio.to_thread(self._admin.unload, name)
+        except AdapterError as error:
+            raise _adapter_error(error) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def completions(self, request: HttpRequest) -> Response:
         job = parse_completion(await _body(request, self._options), self._model)
@@ -204,6 +241,8 @@ class HttpApi:
                         for pb, sink in zip(job.requests, messages.sinks, strict=True)]
         except InvalidRequest as error:
             raise invalid(str(error), param=_field_named(str(error), job)) from None
+        except UnknownModel:  # unloaded since the body was read
+            raise model_not_found(self._model, job.requests[0].model) from None
         echo_texts = [p if isinstance(p, str) else self._tokenizer.decode(p)
                       for p in job.echo_prompts]
         return requests, echo_texts
@@ -322,6 +361,17 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._close()
+
+
+# An AdapterError's gRPC code as an HTTP status (vLLM answers a refused load with 400, an
+# adapter it does not have with 404).
+_ADAPTER_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404,
+                   "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 503, "RESOURCE_EXHAUSTED": 429}
+
+
+def _adapter_error(error: AdapterError) -> ApiError:
+    return ApiError(_ADAPTER_STATUS.get(error.code_name, 500), error.message,
+                    param=error.field, reason="lora_adapter")
 
 
 def _field_named(message: str, job: Job) -> str | None:

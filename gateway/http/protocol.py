@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.adapters import ModelNames
 from gateway.http.errors import ApiError, invalid
 from gateway.http.structured import (
     FORMAT_FIELDS,
@@ -122,15 +123,9 @@ _MESSAGE_FIELDS = {"assistant": {"role", "content", "tool_calls"},
 _ECHOED_ANSWER_FIELDS = {"refusal", "annotations", "audio", "function_call"}
 
 
-@dataclass(frozen=True)
-class ServedModel:
-    """The model name a request's `model` must give (or an alias of it)."""
-
-    name: str
-    aliases: frozenset[str] = frozenset()
-
-    def names(self, asked: str) -> bool:
-        return asked == self.name or asked in self.aliases
+# The names a request's `model` may give: the base model's (or an alias) and the LoRA
+# adapters served (admission resolves them, for gRPC's requests too).
+ServedModel = ModelNames
 
 
 @dataclass
@@ -326,7 +321,9 @@ def parse_chat(body: dict[str, Any], model: ServedModel) -> Job:
 
 def _job(fields: Fields, model: ServedModel, requests: list[gateway_pb2.GenerateRequest],
          params: gateway_pb2.SamplingParams, chat: bool, fmt: OutputFormat | None) -> Job:
-    check_model(fields, model)
+    asked = check_model(fields, model)
+    for request in requests:  # admission resolves it again: the adapter may be gone by then
+        request.model = asked
     stream = fields.boolean("stream")
     include_usage = continuous_usage = False
     options = fields.get("stream_options")
@@ -344,18 +341,28 @@ def _job(fields: Fields, model: ServedModel, requests: list[gateway_pb2.Generate
     user = fields.string("user")
     if len(user) > MAX_USER_CHARS:
         raise invalid(f"user has {len(user)} characters, over {MAX_USER_CHARS}", param="user")
-    return Job(model=model.name, requests=requests,
+    # The answer names the model that ran: the adapter's name, or the base model's.
+    echoed = model.name if model.is_base(asked) else asked
+    return Job(model=echoed, requests=requests,
                n=params.n if params.HasField("n") else 1, stream=stream,
                include_usage=include_usage, chat=chat, continuous_usage=continuous_usage,
                format_field=fmt.field if fmt is not None else None)
 
 
-def check_model(fields: Fields, model: ServedModel) -> None:
-    """404 when the body names a model other than the served one."""
+def check_model(fields: Fields, model: ServedModel) -> str:
+    """The body's `model` (the base model's name when it names none); 404 when it names
+    neither the base model nor a served LoRA adapter."""
     asked = fields.string("model", model.name)
-    if not model.names(asked):
-        raise ApiError(404, f"the model {asked[:64]!r} does not exist; this server serves "
-                            f"{model.name!r}", param="model", code="model_not_found")
+    if not asked or not model.names(asked):  # "" is gRPC's "not given"; JSON has null
+        raise model_not_found(model, asked)
+    return asked
+
+
+def model_not_found(model: ServedModel, asked: str) -> ApiError:
+    served = [model.name, *(adapter.name for adapter in model.catalog.list())]
+    return ApiError(404, f"the model {asked[:64]!r} does not exist; this server serves "
+                         f"{', '.join(repr(name) for name in served)}", param="model",
+                    code="model_not_found")
 
 
 def _generate_request(fields: Fields, params: gateway_pb2.SamplingParams,

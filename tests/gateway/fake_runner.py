@@ -5,12 +5,21 @@ tables covering every position, copies before writes) and "predicts" the next to
 context it READS BACK FROM ITS CACHE through the block table. So a gateway that sends a wrong
 slot, table or copy gets different tokens than `next_token(true context)`, which the tests
 compute independently as their oracle.
+
+LoRA adapters: LoadAdapter takes a folder holding adapter_config.json (its "r" is the rank;
+the digest is a hash of the folder's files), and a row run through an adapter gets
+`adapter_token(next_token(...), digest)`, so a test sees which adapter ran each sequence.
+Each batch's adapters column is recorded as sent (`adapter_columns`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -37,11 +46,43 @@ def next_token(context: Sequence[int], seed: int | None, vocab: int = VOCAB) -> 
     return 16 + value % (vocab - 16)
 
 
+def adapter_token(token: int, digest: str, vocab: int = VOCAB) -> int:
+    """The fake model's token for a row run through the adapter of `digest` ("": base)."""
+    if not digest:
+        return token
+    return 16 + (token * 7 + int(digest[:12], 16)) % (vocab - 16)
+
+
+def folder_digest(path: Path) -> str:
+    """The fake's adapter digest: a hash of the folder's files, names and contents."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.iterdir() if p.is_file()):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def make_adapter(folder: Path, rank: int = 8, weights: bytes = b"weights") -> Path:
+    """A folder the fake runner loads as an adapter (any `weights` make another digest)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"r": rank, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}))
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+@dataclass
+class FakeAdapter:
+    name: str
+    path: str
+    rank: int
+    digest: str
+
+
 class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
     """Executes batches against a cache of token ids; records what it saw."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 2048,
-                 epoch: int = 7) -> None:
+                 epoch: int = 7, max_loras: int = 0, max_lora_rank: int = 16) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -65,6 +106,20 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         # single characters, so that strings and numbers end soon).
         self.mask_board = MaskBoard(wait_s=5.0)
         self.masked_rows = 0
+        # LoRA: the slot table's size (0: no adapters), the adapters loaded by name, and
+        # each batch's adapters column as sent (empty: all base).
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.adapters: dict[str, FakeAdapter] = {}
+        self.adapter_columns: list[list[str]] = []
+        self.adapter_calls: list[tuple[str, str]] = []  # ("load" | "unload", name)
+
+    def restart(self, epoch: int) -> None:
+        """As a runner process that started again: a new epoch, no KV, no adapters."""
+        with self.lock:
+            self.epoch = epoch
+            self.cache[:] = _EMPTY
+            self.adapters.clear()
 
     def Info(self, request: runner_pb2.InfoRequest, context: grpc.ServicerContext
              ) -> runner_pb2.InfoResponse:
@@ -72,8 +127,56 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             model="fake", architecture="FakeForCausalLM", vocab_size=VOCAB,
             eos_token_ids=[EOS], max_model_len=self.max_model_len, num_blocks=self.num_blocks,
             block_size=self.block_size, dtype="float32", device="cpu", epoch=self.epoch,
-            attention_backend="torch", tensor_parallel_size=1,
+            attention_backend="torch", tensor_parallel_size=1, max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
         )
+
+    def LoadAdapter(self, request: runner_pb2.LoadAdapterRequest,
+                    context: grpc.ServicerContext) -> runner_pb2.LoadAdapterResponse:
+        if self.max_loras == 0:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "serves no adapters")
+        folder = Path(request.path)
+        config_file = folder / "adapter_config.json"
+        if not config_file.is_file():
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no adapter_config.json in {folder}")
+        try:
+            rank = int(json.loads(config_file.read_text())["r"])
+        except (ValueError, KeyError, TypeError):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "corrupt adapter_config.json")
+        if rank > self.max_lora_rank:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"rank {rank} is over --max-lora-rank {self.max_lora_rank}")
+        digest = folder_digest(folder)
+        with self.lock:
+            held = self.adapters.get(request.name)
+            if held is not None and held.digest != digest:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{request.name} is taken by other files")
+            adapter = self.adapters[request.name] = FakeAdapter(
+                request.name, request.path, rank, digest)
+            self.adapter_calls.append(("load", request.name))
+        return runner_pb2.LoadAdapterResponse(adapter=self._adapter_info(adapter))
+
+    def UnloadAdapter(self, request: runner_pb2.UnloadAdapterRequest,
+                      context: grpc.ServicerContext) -> runner_pb2.UnloadAdapterResponse:
+        with self.lock:
+            if self.adapters.pop(request.name, None) is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"no adapter {request.name}")
+            self.adapter_calls.append(("unload", request.name))
+        return runner_pb2.UnloadAdapterResponse()
+
+    def ListAdapters(self, request: runner_pb2.ListAdaptersRequest,
+                     context: grpc.ServicerContext) -> runner_pb2.ListAdaptersResponse:
+        with self.lock:
+            adapters = [self._adapter_info(a) for a in self.adapters.values()]
+        return runner_pb2.ListAdaptersResponse(adapters=adapters, max_loras=self.max_loras,
+                                               max_lora_rank=self.max_lora_rank)
+
+    @staticmethod
+    def _adapter_info(adapter: FakeAdapter) -> runner_pb2.AdapterInfo:
+        return runner_pb2.AdapterInfo(name=adapter.name, path=adapter.path, rank=adapter.rank,
+                                      target_modules=["q_proj", "v_proj"],
+                                      digest=adapter.digest)
 
     def Execute(self, request: runner_pb2.ExecuteRequest, context: grpc.ServicerContext
                 ) -> runner_pb2.ExecuteResponse:
@@ -97,6 +200,7 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         """In the batch's turn, its pending tokens filled in."""
         with self.lock:
             self.batches.append(request)
+            self.adapter_columns.append(list(request.adapters))
         error = self._check(request)
         if error:
             raise BatchError(error)
@@ -128,6 +232,14 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             return "token and slot counts differ"
         if sum(request.block_table_lens) != len(request.block_tables):
             return "block table lengths differ"
+        if request.adapters:
+            if len(request.adapters) != n:
+                return "adapters column length differs"
+            named = {name for name in request.adapters if name}
+            if len(named) > self.max_loras:
+                return f"{len(named)} adapters in one batch, over max_loras {self.max_loras}"
+            if not named <= set(self.adapters):
+                return f"adapters not loaded: {sorted(named - set(self.adapters))}"
         token_cursor = table_cursor = 0
         for i in range(n):
             count, start = request.num_new_tokens[i], request.start_positions[i]
@@ -191,6 +303,8 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
             self._check_penalty_history(request, i, context)
             seed = None if request.temperatures[i] == 0 else int(request.seeds[i])
             token = next_token(context, seed)
+            if request.adapters and request.adapters[i]:
+                token = adapter_token(token, self.adapters[request.adapters[i]].digest)
             if masks and i in masks and masks[i].size:
                 token = int(masks[i][token % min(8, masks[i].size)])
                 self.masked_rows += 1
@@ -224,10 +338,11 @@ class FakeRunner(runner_pb2_grpc.RunnerServiceServicer):
         self.penalty_rows += 1
 
 
-def expected_tokens(prompt: Sequence[int], max_tokens: int, seed: int | None = None
-                    ) -> list[int]:
-    """The oracle: what the fake model generates for `prompt` alone."""
+def expected_tokens(prompt: Sequence[int], max_tokens: int, seed: int | None = None,
+                    digest: str = "") -> list[int]:
+    """The oracle: what the fake model generates for `prompt` alone (through the adapter of
+    `digest` when given)."""
     context = list(prompt)
     for _ in range(max_tokens):
-        context.append(next_token(context, seed))
+        context.append(adapter_token(next_token(context, seed), digest))
     return context[len(prompt):]

@@ -22,8 +22,8 @@ class Stack:
     """A fake runner and a gateway on one pool of the shared block service."""
 
     def __init__(self, tokenizer: Tokenizer, block_service: ServiceProcess, num_blocks: int,
-                 epoch: int = 7, **settings: object) -> None:
-        self.runner = FakeRunner(num_blocks, BLOCK_SIZE, epoch=epoch)
+                 epoch: int = 7, max_loras: int = 0, **settings: object) -> None:
+        self.runner = FakeRunner(num_blocks, BLOCK_SIZE, epoch=epoch, max_loras=max_loras)
         self.runner_server = start_fake_runner(self.runner)
         self.runner_address = f"127.0.0.1:{self.runner_server.port}"
         self.block_channel = grpc.insecure_channel(block_service.address)

@@ -434,3 +434,65 @@ def test_execute_block_tables_follow_every_table_change() -> None:
             if item.do_sample:
                 item.seq.token_ids.append(7)
     assert changes > 40, changes
+
+
+# ----- LoRA: at most max_loras distinct adapters run at once (vLLM's rule) ------------------
+
+def lora_seq(request_id: str, adapter: str, prompt_len: int = 3) -> Sequence:
+    seq = make_seq(request_id, prompt_len)
+    seq.adapter = adapter
+    return seq
+
+
+def test_an_adapter_over_max_loras_waits_while_base_and_running_adapters_are_admitted() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8, max_loras=2)
+    a, b, c = lora_seq("a", "x"), lora_seq("b", "y"), lora_seq("c", "z")
+    d, e = make_seq("d", 3), lora_seq("e", "x")
+    scheduler.add([a, b, c, d, e])
+    plan = scheduler.schedule()
+    # c's adapter would be the third: it keeps its place; d (base) and e (x, running) go on.
+    assert [g.seq for g in plan.allocates] == [a, b, d, e]
+    assert list(scheduler.waiting) == [c]
+    run_step(scheduler, plan)
+    assert scheduler.schedule().allocates == []  # x and y still run: c still waits
+    assert list(scheduler.waiting) == [c]
+    scheduler.finish(a)
+    plan = scheduler.schedule()
+    assert plan.allocates == []  # e still runs on x
+    run_step(scheduler, plan)
+    scheduler.finish(e)
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == [c]  # x is done: z takes its place
+    assert not scheduler.waiting
+
+
+def test_adapters_admitted_in_one_step_count_against_max_loras() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8, max_loras=1)
+    a, b, c = lora_seq("a", "x"), lora_seq("b", "y"), lora_seq("c", "x")
+    scheduler.add([a, b, c])
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == [a, c]
+    assert list(scheduler.waiting) == [b]
+
+
+def test_recomputed_sequences_follow_the_max_loras_rule_too() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8, max_loras=1)
+    a, b = lora_seq("a", "x"), make_seq("b", 3)
+    scheduler.add([a, b])
+    run_step(scheduler, scheduler.schedule())
+    c = lora_seq("c", "y")
+    scheduler.add([c])
+    run_step(scheduler, scheduler.schedule())
+    assert list(scheduler.waiting) == [c]
+    # A runner restart puts a and b back at the front: after them, c still waits for x.
+    scheduler.reset_all()
+    plan = scheduler.schedule()
+    assert [g.seq for g in plan.allocates] == [a, b]
+    assert list(scheduler.waiting) == [c]
+
+
+def test_a_base_only_queue_is_not_held_by_max_loras() -> None:
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8, max_loras=0)
+    seqs = [make_seq(str(i), 3) for i in range(3)]
+    scheduler.add(seqs)
+    assert [g.seq for g in scheduler.schedule().allocates] == seqs

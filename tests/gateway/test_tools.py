@@ -13,6 +13,7 @@ import llguidance
 import pytest
 
 from common.model_store import resolve_model
+from gateway.adapters import AdapterCatalog
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.runner_loop import BackendInfo
@@ -296,7 +297,8 @@ def test_a_template_that_refuses_the_messages_is_a_value_error() -> None:
 @pytest.fixture(scope="module")
 def admission(tokenizer: Tokenizer) -> Admission:
     info = BackendInfo("m", "llama", tokenizer.size, [2], 2048, 1024, 16, "float32", "cpu", 1)
-    engine: Any = SimpleNamespace(config=GatewayConfig(), new_seed=lambda: 1)
+    engine: Any = SimpleNamespace(config=GatewayConfig(), new_seed=lambda: 1,
+                                  adapters=AdapterCatalog())
     return Admission(engine, tokenizer, info)
 
 
