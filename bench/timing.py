@@ -76,6 +76,7 @@ async def _stream_one(stub: gateway_pb2_grpc.GenerationServiceStub, request: Ben
             ignore_eos=True,
             cache_salt=request.cache_salt,
             final_only=request.final_only,
+            model=request.model,
         ), timeout=timeout_s)
         async for message in call:
             timing.messages += 1

@@ -18,6 +18,7 @@ class BenchRequest:
     arrival_s: float = 0.0
     cache_salt: str = ""
     final_only: bool = False  # the whole completion in one message (no time to first token)
+    model: str = ""  # a LoRA adapter's name; "" for the base model
 
 
 def _tokens(rng: random.Random, count: int) -> list[int]:
