@@ -23,6 +23,13 @@ namespace {
 using namespace pagewire::lanes;
 constexpr int64_t kTileVecs = 4;
 constexpr int64_t kTile = kTileVecs * kLanes;  // output columns per expand work item
+// Multiply-adds per parallel chunk, at least: a decode row's few thousand are not worth waking
+// a thread for (a forward makes 4 calls per layer).
+constexpr int64_t kMinChunkMacs = 32768;
+
+int64_t grain(int64_t macs_per_item) {
+  return std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(1, macs_per_item));
+}
 
 float sum_lanes(Vec v) {
   float lanes[kLanes];
@@ -43,6 +50,28 @@ float dot(const float* a, const float* b, int64_t n) {
   float total = sum_lanes(even + odd);
   for (; k < n; ++k) total += a[k] * b[k];
   return total;
+}
+
+// Dot products of kRowBlock consecutive rows of `a` (row stride `n`) with one x row: x is
+// read once for all of them.
+constexpr int64_t kRowBlock = 4;
+
+void dot_rows(const float* a, const float* x, int64_t n, int64_t rows, float* out) {
+  if (rows < kRowBlock) {
+    for (int64_t r = 0; r < rows; ++r) out[r] = dot(a + r * n, x, n);
+    return;
+  }
+  Vec acc[kRowBlock] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    const Vec xv = load(x + k);
+    for (int64_t r = 0; r < kRowBlock; ++r) acc[r] += load(a + r * n + k) * xv;
+  }
+  for (int64_t r = 0; r < kRowBlock; ++r) {
+    float total = sum_lanes(acc[r]);
+    for (int64_t j = k; j < n; ++j) total += a[r * n + j] * x[j];
+    out[r] = total;
+  }
 }
 
 struct Tile {
@@ -95,8 +124,9 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
   for (int64_t i = 0; i < members; ++i)
     TORCH_CHECK(row[i] >= 0 && row[i] < y.size(0), "row ", row[i], " out of range");
 
-  // Shrink work: (group, lora_A row) pairs, the used rows of each group's slot.
-  std::vector<int64_t> shrink_start(groups + 1, 0);
+  // Shrink work: (group, block of kRowBlock lora_A rows), over the used rows of each
+  // group's slot.
+  std::vector<int64_t> shrink_start(groups + 1, 0), used_rows(groups, 0);
   std::vector<Tile> tiles;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t slot = slot_of[g], rank = rank_of[slot];
@@ -110,7 +140,8 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
       for (int64_t col = offset[p]; col < offset[p + 1]; col += kTile)
         tiles.push_back({g, part_row, rank, col, std::min(kTile, offset[p + 1] - col)});
     }
-    shrink_start[g + 1] = shrink_start[g] + used;
+    used_rows[g] = used;
+    shrink_start[g + 1] = shrink_start[g] + (used + kRowBlock - 1) / kRowBlock;
   }
   TORCH_CHECK(offset[parts] == out, "part offsets end at ", offset[parts], ", not ", out);
   std::vector<float> xa(members * slot_rows);  // [member row, slot row]
@@ -120,17 +151,23 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
   const float* bp = bt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
-  at::parallel_for(0, shrink_start[groups], 4, [&](int64_t begin, int64_t end) {
+  const int64_t members_per_group = std::max<int64_t>(1, members / std::max<int64_t>(1, groups));
+  const int64_t max_rank = *std::max_element(rank_of, rank_of + a.size(0));
+  at::parallel_for(0, shrink_start[groups], grain(members_per_group * in * kRowBlock),
+                   [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = std::upper_bound(shrink_start.begin(), shrink_start.end(), item) -
                         shrink_start.begin() - 1;
-      const int64_t i = item - shrink_start[g];
-      const float* a_row = ap + (slot_of[g] * slot_rows + i) * in;
+      const int64_t i = (item - shrink_start[g]) * kRowBlock;
+      const int64_t count = std::min(kRowBlock, used_rows[g] - i);
+      const float* a_rows = ap + (slot_of[g] * slot_rows + i) * in;
       for (int64_t m = start[g]; m < start[g + 1]; ++m)
-        xa[m * slot_rows + i] = dot(a_row, xp + row[m] * x_stride, in);
+        dot_rows(a_rows, xp + row[m] * x_stride, in, count, xa.data() + m * slot_rows + i);
     }
   });
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()),
+                   grain(members_per_group * std::max<int64_t>(1, max_rank) * kTile),
+                   [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const Tile& tile = tiles[t];
       const float* b_rows = bp + (slot_of[tile.group] * slot_rows + tile.part_row) * out;

@@ -177,6 +177,8 @@ class LoraBatch:
                       torch.tensor([g.slot for g in groups], dtype=torch.int64))
         self.use_kernel = (table.a["qkv"].dtype == torch.float32
                            and cpu_kernels.available(table.a["qkv"].device))
+        # The projections some group's adapter changes: the others cost nothing.
+        self.projections = {name for g in groups for name, rows in g.used.items() if rows}
 
     @classmethod
     def build(cls, table: SlotTable, row_slots: np.ndarray, device: torch.device
@@ -198,6 +200,8 @@ class LoraBatch:
 
     def add(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each group's LoRA product of x, in place (y is the projection's output)."""
+        if projection not in self.projections:
+            return
         a_slots, bt_slots = self.table.a[projection][layer], self.table.bt[projection][layer]
         if self.use_kernel and x.stride(-1) == 1 and y.stride(-1) == 1:
             cpu_kernels.lora_add(y, x, a_slots, bt_slots, (
