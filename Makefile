@@ -65,6 +65,9 @@ bench: setup
 	$(PY) bench/stream_floor.py
 	$(PY) bench/structured_masks.py
 	$(PY) bench/structured.py
+	$(PY) bench/lora.py
+	$(PY) bench/lora_serve.py
+	$(PY) bench/lora_serve.py --shape "r16 all"
 	if test -x $(PEERS_VENV)/bin/python; then $(PY) bench/openai_serve.py; \
 	else echo "openai_serve skipped: run make bench-peers"; fi
 	if test -x $(PEERS_VENV)/bin/guidellm; then $(PY) bench/guidellm_serve.py; \

@@ -359,6 +359,10 @@ class ModelRunner:
     def validate(self, batch: ExecuteBatch) -> None:
         """BatchError when the batch is malformed or names adapters it cannot run."""
         validate_batch(batch, self.limits)
+        self.check_adapters(batch)
+
+    def check_adapters(self, batch: ExecuteBatch) -> None:
+        """BatchError when the batch names adapters this runner cannot run."""
         if any(batch.adapters):
             if self.lora is None:
                 raise BatchError("the batch names LoRA adapters; this runner serves none "

@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from common.handlers import lenient_handlers
-from gpu_runner.batch import ExecuteBatch
+from gpu_runner.batch import ExecuteBatch, validate_batch
 from gpu_runner.distributed import WorkerLostError
 from gpu_runner.lora.manager import (
     AdapterConflictError,
@@ -136,7 +136,9 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         """In the batch's turn: refuses it alone if malformed or its caller is gone."""
         if not context.is_active():
             raise _CallEnded()  # the caller gave up (deadline or cancel) while waiting
-        runner.validate(ExecuteBatch.from_proto(request))
+        batch = ExecuteBatch.from_proto(request)
+        validate_batch(batch, runner.limits)
+        runner.check_adapters(batch)
 
     def SupplyMasks(self, request: runner_pb2.SupplyMasksRequest,
                     context: grpc.ServicerContext) -> runner_pb2.SupplyMasksResponse:

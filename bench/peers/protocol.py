@@ -9,7 +9,9 @@ rounds of a benchmark: every engine keeps one process for its warm-up and all it
 serve_bench writes one line per run on the peer's stdin, {"workload": PATH, "result": PATH},
 and closes stdin when it is done with the peer.
 
-A workload is a list of {"prompt_token_ids": [...], "max_tokens": N}. While a run goes, the
+A workload is a list of {"prompt_token_ids": [...], "max_tokens": N} (with "adapter": PATH, a
+PEFT LoRA adapter's folder, for a request on an adapter: the peer is then started with
+`--max-loras N --max-lora-rank R`). While a run goes, the
 peer prints `progress K` lines on stdout (K requests finished) for the parent's progress bar;
 at its end it writes {"seconds": ..., "output_tokens": [per request, in workload order],
 "settings": {...}} to the result path and prints `done`. The token counts are what the peer's
@@ -39,6 +41,7 @@ class PeerRequest:
 
     prompt_token_ids: list[int]
     max_tokens: int
+    adapter: str = ""  # a LoRA adapter's folder; "" for the base model
 
 
 @dataclass(frozen=True)
@@ -57,12 +60,13 @@ Engine = Callable[[list[PeerRequest]], RunResult]
 
 def write_workload(path: Path, requests: list[PeerRequest]) -> None:
     path.write_text(json.dumps(
-        [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in requests]))
+        [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens,
+          **({"adapter": r.adapter} if r.adapter else {})} for r in requests]))
 
 
 def read_workload(path: Path) -> list[PeerRequest]:
-    return [PeerRequest(list(r["prompt_token_ids"]), int(r["max_tokens"]))
-            for r in json.loads(path.read_text())]
+    return [PeerRequest(list(r["prompt_token_ids"]), int(r["max_tokens"]),
+                        str(r.get("adapter", ""))) for r in json.loads(path.read_text())]
 
 
 def run_command(workload: Path, result: Path) -> str:
@@ -96,22 +100,32 @@ class PeerArgs:
 
     model_dir: str
     dtype: str = "float32"
+    max_loras: int = 0  # LoRA adapters one batch may use; 0: none served
+    max_lora_rank: int = 16
 
 
 def peer_args(argv: list[str]) -> PeerArgs:
-    """Parses `[--dtype DTYPE] MODEL_DIR` (what follows the peer's own leading arguments)."""
+    """Parses `[--dtype DTYPE] [--max-loras N --max-lora-rank R] MODEL_DIR` (what follows the
+    peer's own leading arguments)."""
     parser = argparse.ArgumentParser(
-        usage="PEER_SCRIPT [--dtype DTYPE] MODEL_DIR (then run commands on stdin)")
+        usage="PEER_SCRIPT [--dtype DTYPE] [--max-loras N --max-lora-rank R] MODEL_DIR "
+              "(then run commands on stdin)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--max-loras", type=int, default=0)
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("model_dir")
     args = parser.parse_args(argv)
-    return PeerArgs(args.model_dir, args.dtype)
+    return PeerArgs(args.model_dir, args.dtype, args.max_loras, args.max_lora_rank)
 
 
-def peer_command(script: list[str], model_dir: str, dtype: str) -> list[str]:
+def peer_command(script: list[str], model_dir: str, dtype: str, max_loras: int = 0,
+                 max_lora_rank: int = 16) -> list[str]:
     """The command line that starts a peer (`script`: its interpreter, file and own leading
-    arguments) for `model_dir` in `dtype`; the inverse of peer_args."""
-    return [*script, "--dtype", dtype, model_dir]
+    arguments) for `model_dir` in `dtype`, serving LoRA adapters with `max_loras`; the
+    inverse of peer_args."""
+    lora = ["--max-loras", str(max_loras), "--max-lora-rank", str(max_lora_rank)] \
+        if max_loras else []
+    return [*script, "--dtype", dtype, *lora, model_dir]
 
 
 def serve(engine: Engine) -> None:

@@ -80,7 +80,12 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     # LLM(...) starts worker processes: it must be created under `if __name__ == "__main__"`.
-    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, seed=0)
+    lora: dict[str, object] = {}
+    if args.max_loras:  # adapters by request (bench/lora_serve.py), vLLM's own LoRA path
+        lora = {"enable_lora": True, "max_loras": args.max_loras,
+                "max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_loras}
+        settings.update(lora)
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, seed=0, **lora)
     settings["dtype"] = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
     scheduler = llm.llm_engine.vllm_config.scheduler_config
     settings["max_num_batched_tokens"] = scheduler.max_num_batched_tokens
@@ -89,12 +94,22 @@ def main() -> None:
     cache = llm.llm_engine.vllm_config.cache_config
     settings["enable_prefix_caching"] = cache.enable_prefix_caching
 
+    lora_ids: dict[str, int] = {}
+
+    def lora_request(path: str) -> object:
+        from vllm.lora.request import LoRARequest
+
+        lora_id = lora_ids.setdefault(path, len(lora_ids) + 1)
+        return LoRARequest(f"adapter-{lora_id}", lora_id, path)
+
     def run(requests: list[PeerRequest]) -> RunResult:
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
         params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0)
                   for r in requests]
+        adapters = [lora_request(r.adapter) if r.adapter else None for r in requests]
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=_progress_bar())
+        outputs = llm.generate(prompts, params, use_tqdm=_progress_bar(),
+                               lora_request=adapters if any(adapters) else None)
         seconds = time.perf_counter() - start
         # generate returns the outputs in the order of the prompts.
         return RunResult(seconds, [len(o.outputs[0].token_ids) for o in outputs], settings)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu_runner import metrics
 from gpu_runner.config import ModelConfig
 from gpu_runner.lora.peft_format import AdapterError, PeftAdapter, read_peft_adapter
 from gpu_runner.lora.slots import LoraBatch, SlotTable
@@ -75,6 +76,8 @@ class AdapterManager:
             held = self._adapters.get(loaded.name)
             if held is None:
                 self._adapters[loaded.name] = loaded
+                metrics.LORA_ADAPTERS.inc()
+                metrics.LORA_ADAPTER_BYTES.inc(loaded.adapter.nbytes)
                 return loaded
         if held.adapter.digest != loaded.adapter.digest:
             raise AdapterConflictError(
@@ -85,8 +88,11 @@ class AdapterManager:
     def unload(self, name: str) -> None:
         """Forgets `name` and frees its slot (forward thread). AdapterUnknownError."""
         with self._lock:
-            if self._adapters.pop(name, None) is None:
+            loaded = self._adapters.pop(name, None)
+            if loaded is None:
                 raise AdapterUnknownError(name)
+        metrics.LORA_ADAPTERS.dec()
+        metrics.LORA_ADAPTER_BYTES.dec(loaded.adapter.nbytes)
         self.table.release(name)
 
     def check(self, adapters: tuple[str, ...]) -> None:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gpu_runner import cpu_kernels
+from gpu_runner import cpu_kernels, metrics
 from gpu_runner.config import ModelConfig
 from gpu_runner.lora.peft_format import PeftAdapter
 
@@ -117,6 +117,7 @@ class SlotTable:
                 return slot
         victim = next(key for key in self.holders if key not in keep)
         self.evictions += 1
+        metrics.LORA_SLOT_EVICTIONS.inc()
         return self.holders.pop(victim)
 
     def _write(self, slot: int, adapter: PeftAdapter) -> None:
@@ -144,6 +145,7 @@ class SlotTable:
         self.used[slot] = used
         self.ranks[slot] = rank
         self.loads += 1
+        metrics.LORA_SLOT_LOADS.inc()
 
     def _model_rows(self, part: str, b: torch.Tensor) -> torch.Tensor:
         """lora_B's output rows in the order the model keeps that projection's rows: q and k

@@ -6,7 +6,6 @@ transformers' greedy generate gives for the same chat (the server runs greedy th
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -29,9 +28,9 @@ from gateway.launcher import is_serving
 from protos import gateway_pb2, gateway_pb2_grpc
 from tests.e2e import oracle
 from tests.e2e.conftest import kv_bytes_for_blocks
-from tests.helpers.services import ROOT, free_port
+from tests.helpers.services import ROOT, SERVE_BANNER, free_port, start_serve
 
-BANNER = "pagewire is serving"
+BANNER = SERVE_BANNER
 # The banner's answers end (EOS) well within this; the oracle must see their end to compare.
 ORACLE_TOKENS = 200
 # A sentence: words, then a full stop, question or exclamation mark.
@@ -75,21 +74,12 @@ def test_banner_commands_answer_in_chat_sentences_then_ctrl_c_stops_all(tmp_path
     port = free_port()
     http_port = free_port()
     output_path = tmp_path / "serve.out"
-    with open(output_path, "wb") as output:
-        serve = subprocess.Popen(
-            pagewire("serve", "--demo", "--port", str(port), "--http-port", str(http_port),
-                     "--log-dir", str(tmp_path),
-                     "--kv-cache-memory", str(kv_bytes_for_blocks(64)),
-                     "--max-model-len", "512",
-                     "--override-generation-config", '{"temperature": 0}'),
-            cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, env={**os.environ},
-        )
+    serve = start_serve(["--demo", "--port", str(port), "--http-port", str(http_port),
+                         "--log-dir", str(tmp_path),
+                         "--kv-cache-memory", str(kv_bytes_for_blocks(64)),
+                         "--max-model-len", "512",
+                         "--override-generation-config", '{"temperature": 0}'], output_path)
     try:
-        deadline = time.monotonic() + 300
-        while BANNER not in output_path.read_text(errors="replace"):
-            assert serve.poll() is None, output_path.read_text(errors="replace")
-            assert time.monotonic() < deadline, output_path.read_text(errors="replace")
-            time.sleep(0.2)
         time.sleep(0.5)  # the rest of the banner
         shown = output_path.read_text()
         # The demo asked for the capital of France: SmolLM2 knows it.

@@ -10,11 +10,7 @@ base and adapter requests run loses no request and gives no 5xx."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,11 +28,10 @@ from tests.e2e import oracle
 from tests.e2e.conftest import kv_bytes_for_blocks
 from tests.e2e.prompts import PROMPTS
 from tests.helpers.lora_adapters import ATTENTION, MLP, greedy, make_peft_adapter, peft_model
-from tests.helpers.services import ROOT, free_port, scrape_metric
+from tests.helpers.services import free_port, scrape_metric, start_serve
 
 MAX_TOKENS = 24
 NUM_BLOCKS = 8  # 128 tokens (one max_model_len): 8 requests of ~9 + 24 tokens do not fit
-BANNER = "pagewire is serving"
 ADAPTERS = {  # name -> (rank, targets)
     "sql": (8, ATTENTION + MLP),
     "chat": (4, ("q_proj", "v_proj")),
@@ -61,23 +56,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                 for i, (name, (rank, targets)) in enumerate(ADAPTERS.items())}
     spare = make_peft_adapter(base, root / "spare", 4, ATTENTION, seed=9)
     port, http_port, metrics_port = free_port(), free_port(), free_port()
-    log = root / "serve.out"
-    with open(log, "wb") as output:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
-             "--http-port", str(http_port), "--metrics-port", str(metrics_port),
-             "--log-dir", str(root), "--kv-cache-memory", str(kv_bytes_for_blocks(NUM_BLOCKS)),
-             "--max-model-len", "128", "--max-loras", "2", "--max-lora-rank", "8",
-             "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
-            cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
-            # The runner's GEMM tuning is not what this tests (~14 s of its start).
-            env={**os.environ, "PAGEWIRE_RUNNER_LINEAR_BACKEND": "plain"})
+    serve = start_serve(
+        ["--port", str(port), "--http-port", str(http_port), "--metrics-port", str(metrics_port),
+         "--log-dir", str(root), "--kv-cache-memory", str(kv_bytes_for_blocks(NUM_BLOCKS)),
+         "--max-model-len", "128", "--max-loras", "2", "--max-lora-rank", "8",
+         "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())],
+        root / "serve.out",
+        # The runner's GEMM tuning is not what this tests (~14 s of its start).
+        env={"PAGEWIRE_RUNNER_LINEAR_BACKEND": "plain"})
     try:
-        deadline = time.monotonic() + 300
-        while BANNER not in log.read_text(errors="replace"):
-            assert serve.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, log.read_text(errors="replace")
-            time.sleep(0.2)
         yield Server(f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", metrics_port,
                      adapters, spare)
     finally:

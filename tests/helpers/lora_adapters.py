@@ -32,13 +32,14 @@ def make_peft_adapter(base: Path, path: Path, rank: int, targets: Sequence[str],
     return path
 
 
-def peft_model(base: Path, adapter: Path, merged: bool = False) -> Any:
-    """transformers' model with the adapter through PEFT (merged into the weights, or not)."""
+def peft_model(base: Path, adapter: Path, merged: bool = False, dtype: Any = None) -> Any:
+    """transformers' model with the adapter through PEFT (merged into the weights, or not), in
+    `dtype` (default float32)."""
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype or torch.float32)
     wrapped = peft.PeftModel.from_pretrained(model, adapter).eval()
     return wrapped.merge_and_unload().eval() if merged else wrapped
 

@@ -21,6 +21,27 @@ from gateway.launcher import free_port as free_port  # re-exported for the tests
 ROOT = Path(__file__).resolve().parents[2]
 
 
+SERVE_BANNER = "pagewire is serving"
+
+
+def start_serve(args: Sequence[str], output_path: Path, env: dict[str, str] | None = None,
+                timeout_s: float = 300.0) -> subprocess.Popen[bytes]:
+    """`pagewire serve ARGS` as a process writing to `output_path`, returned once its banner
+    is out (a process that exits or a banner that does not come within `timeout_s` fails
+    the test with the output)."""
+    with open(output_path, "wb") as output:
+        serve = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", *args],
+                                 cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout_s
+    while SERVE_BANNER not in output_path.read_text(errors="replace"):
+        if serve.poll() is not None or time.monotonic() > deadline:
+            serve.kill()
+            raise AssertionError(output_path.read_text(errors="replace"))
+        time.sleep(0.2)
+    return serve
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id still exists (a zombie counts until it is reaped)."""
     try:
