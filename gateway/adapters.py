@@ -29,13 +29,13 @@ from typing import Protocol
 import grpc
 
 from gateway import metrics
+from gateway.validation import ADAPTER_SALT_PREFIX
 from protos import runner_pb2, runner_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 # gateway.proto LoadLoraAdapterRequest.lora_name (and runner.proto's LoadAdapterRequest.name).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
-SALT_PREFIX = "lora:"
 
 
 class AdapterError(Exception):
@@ -72,7 +72,7 @@ def effective_salt(user_salt: str, adapter: Adapter | None) -> str:
     digest = adapter.digest
     if len(digest) > 128:  # a runner's digest is a hex hash; keep the salt bounded anyway
         digest = hashlib.sha256(digest.encode()).hexdigest()
-    salt = SALT_PREFIX + digest
+    salt = ADAPTER_SALT_PREFIX + digest
     if user_salt:
         salt += ":" + hashlib.sha256(user_salt.encode("utf-8", "surrogatepass")).hexdigest()
     return salt
@@ -154,8 +154,11 @@ class RunnerAdapters:
     `load` and `retire` may come from any thread; `sync` and `reset` from the loop's only."""
 
     def __init__(self, catalog: AdapterCatalog, runner: runner_pb2_grpc.RunnerServiceStub,
-                 runner_name: str, timeout_s: float) -> None:
+                 runner_name: str, timeout_s: float, holder: str = "") -> None:
+        """`holder`: this gateway's name on the runner (runner.proto's holder: another
+        gateway's unload leaves its adapters loaded)."""
         self._catalog = catalog
+        self._holder = holder
         self._runner = runner
         self._runner_name = runner_name
         self._timeout_s = timeout_s
@@ -173,13 +176,10 @@ class RunnerAdapters:
         asked to yet)."""
         return self._failed.get(name, "")
 
-    @property
-    def draining(self) -> bool:
-        return bool(self._draining)
-
     def load(self, name: str, path: str) -> runner_pb2.AdapterInfo:
         """Loads an adapter on the runner (grpc.RpcError as the runner refused it)."""
-        reply = self._runner.LoadAdapter(runner_pb2.LoadAdapterRequest(name=name, path=path),
+        reply = self._runner.LoadAdapter(runner_pb2.LoadAdapterRequest(name=name, path=path,
+                                                                       holder=self._holder),
                                          timeout=self._timeout_s)
         with self._lock:
             self._loaded[name] = reply.adapter.digest
@@ -196,8 +196,8 @@ class RunnerAdapters:
     def retire(self, name: str) -> None:
         """The catalog no longer has `name`: unload it once nothing running here uses it."""
         with self._lock:
-            if name in self._loaded:
-                self._draining.add(name)
+            # Whatever its state: a load still under way may finish after this.
+            self._draining.add(name)
             self._failed.pop(name, None)
 
     def reset(self) -> None:
@@ -241,6 +241,9 @@ class RunnerAdapters:
             with self._lock:
                 self._failed[adapter.name] = why
             return
+        if self._catalog.get(adapter.name) is None:  # unloaded while it loaded here
+            self.retire(adapter.name)
+            return
         if info.digest != adapter.digest:  # other files under that path on this runner
             log.error("%s loaded adapter %s with digest %s, not %s: not serving it there",
                       self._runner_name, adapter.name, info.digest, adapter.digest)
@@ -252,7 +255,8 @@ class RunnerAdapters:
 
     def _unload(self, name: str) -> None:
         try:
-            self._runner.UnloadAdapter(runner_pb2.UnloadAdapterRequest(name=name),
+            self._runner.UnloadAdapter(runner_pb2.UnloadAdapterRequest(name=name,
+                                                                       holder=self._holder),
                                        timeout=self._timeout_s)
         except grpc.RpcError as error:
             if error.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
@@ -325,27 +329,34 @@ class AdapterAdmin:
                 raise AdapterError("FAILED_PRECONDITION",
                                    f"runner {loop.address} serves no LoRA adapters: start it "
                                    f"with --max-loras N (N > 0)")
-        took: list[AdapterLoop] = []
+        took: list[tuple[AdapterLoop, bool]] = []  # (loop, whether it was loaded before)
         infos: list[runner_pb2.AdapterInfo] = []
         for loop in loops:
-            newly = not loop.adapters.is_loaded(name)
+            before = loop.adapters.is_loaded(name)
             try:
                 infos.append(loop.adapters.load(name, path))
             except grpc.RpcError as error:
-                for done in took:
-                    done.adapters.drop(name)
+                _undo(took, name)
                 code = error.code()  # type: ignore[attr-defined]
                 details = error.details()  # type: ignore[attr-defined]
                 raise AdapterError(code.name, f"runner {loop.address}: {details}",
                                    "lora_path") from None
-            if newly:
-                took.append(loop)
+            took.append((loop, before))
         digests = {info.digest for info in infos}
         if len(digests) > 1:
-            for done in took:
-                done.adapters.drop(name)
+            _undo(took, name)
             raise AdapterError("FAILED_PRECONDITION",
                                f"the runners read different files at {path}: give a path "
                                f"that holds the same adapter on every runner", "lora_path")
         info = infos[0]
         return Adapter(name, path, info.rank, info.digest)
+
+
+def _undo(took: list[tuple[AdapterLoop, bool]], name: str) -> None:
+    """A failed load's undoing: where it was new, unloaded now; where it was loaded before
+    (draining after an unload), back to draining (unloaded once unused)."""
+    for loop, before in took:
+        if before:
+            loop.adapters.retire(name)
+        else:
+            loop.adapters.drop(name)

@@ -104,7 +104,6 @@ class BackendInfo:
     device: str
     epoch: int
     max_loras: int = 0  # distinct LoRA adapters per batch; 0: the runner serves none
-    max_lora_rank: int = 0
 
     @property
     def max_len(self) -> int:
@@ -136,7 +135,8 @@ class RunnerLoop:
         self._step_stream = StepStreamClient(self._blocks, self.retry.control_timeout_s)
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs)
         self.adapters = RunnerAdapters(catalog or AdapterCatalog(), self._runner,
-                                       self.runner_name, self.retry.control_timeout_s)
+                                       self.runner_name, self.retry.control_timeout_s,
+                                       holder=config.client_name)
         self.info: BackendInfo | None = None
         self._session_id = ""
         self._step_id = 0
@@ -379,15 +379,17 @@ class RunnerLoop:
     def _iteration(self) -> None:
         """Takes what came in, then runs one step (or waits for work)."""
         try:
-            self._take_inbox()
             if self._epoch_seen:
                 # Seen by the watcher; stale if the loop has already reset to it.
                 seen, self._epoch_seen = self._epoch_seen, 0
                 self._needs_reset |= self.info is None or seen != self.info.epoch
             if self._needs_reset:
                 self._reset()
+            # Before taking new requests: their adapters are judged by what the runner holds
+            # once it is in step with the catalog.
             if self.adapters.sync(self._adapters_in_use):
                 self._end_unservable_requests()
+            self._take_inbox()
             if not self.scheduler.has_work:
                 self._wait_for_work()
                 return
@@ -752,7 +754,6 @@ def _backend_info(reply: runner_pb2.InfoResponse) -> BackendInfo:
         eos_token_ids=list(reply.eos_token_ids), max_model_len=reply.max_model_len,
         num_blocks=reply.num_blocks, block_size=reply.block_size, dtype=reply.dtype,
         device=reply.device, epoch=reply.epoch, max_loras=reply.max_loras,
-        max_lora_rank=reply.max_lora_rank,
     )
 
 

@@ -10,8 +10,9 @@ Policy (as vLLM's V1 scheduler):
   longer than the remaining budget is prefilled in chunks over several steps;
 - LoRA (as vLLM's): a step names at most `max_loras` distinct adapters. A waiting sequence
   whose adapter is not among the running ones while they already name `max_loras` is skipped
-  (it keeps its place; base sequences and those of running adapters behind it go on being
-  admitted) until a running adapter's sequences have all finished;
+  (it keeps its place) until a running adapter's sequences have all finished; behind it base
+  sequences go on being admitted but no adapter sequence does (one on a running adapter would
+  keep that adapter running, and the skipped one waiting, for as long as such traffic lasts);
 - when the block service has no block for a decode, the most recently admitted running
   sequence is preempted: its blocks are freed and it goes back to the FRONT of the queue with
   its prompt and every token generated so far, to be recomputed (its output is unchanged).
@@ -295,7 +296,9 @@ class Scheduler:
         skipped: list[Sequence] = []  # waiting for a LoRA slot: they keep their places
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if self._waits_for_lora(seq, adapters):
+            if self._waits_for_lora(seq, adapters) or (skipped and seq.adapter):
+                # Behind a sequence waiting for a slot, no adapter sequence passes (base ones
+                # may): the running adapters drain, so the slot comes.
                 skipped.append(self.waiting.popleft())
                 continue
             need_seats = 1 + len(seq.pending_children)

@@ -23,6 +23,8 @@ MAX_TOKENS_LIMIT = 8_192
 # The block service refuses a whole step (every request in it) when one cache salt is longer
 # than its MAX_CACHE_SALT_BYTES (1024), so the gateway must refuse such a request alone.
 MAX_CACHE_SALT_BYTES = 1024
+# The start of a LoRA adapter request's cache salt (gateway/adapters.py), refused in clients'.
+ADAPTER_SALT_PREFIX = "lora:"
 # request_id is echoed in every message of a stream: bounded so it cannot amplify traffic.
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
@@ -134,6 +136,11 @@ def check_identifiers(request_id: str, cache_salt: str) -> None:
         raise InvalidRequest(
             f"request_id has {len(request_id)} characters, over the limit of "
             f"{MAX_REQUEST_ID_CHARS}")
+    if cache_salt.startswith(ADAPTER_SALT_PREFIX):
+        # An adapter request's salt starts so (gateway/adapters.py): a client's own must not,
+        # or a base request could share an adapter's cached KV.
+        raise InvalidRequest(f"cache_salt must not start with {ADAPTER_SALT_PREFIX!r} "
+                             "(reserved for LoRA adapters' prefixes)")
     salt_bytes = len(cache_salt.encode("utf-8", "surrogatepass"))
     if salt_bytes > MAX_CACHE_SALT_BYTES:
         raise InvalidRequest(

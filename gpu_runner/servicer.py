@@ -151,7 +151,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
                     context: grpc.ServicerContext) -> runner_pb2.LoadAdapterResponse:
         adapters = self._adapters(context)
         try:
-            loaded = adapters.register(adapters.read(request.name, request.path))
+            # Read on the forward thread: its torch calls would give a gRPC thread an OpenMP
+            # team of its own (the module docstring); reading takes milliseconds.
+            loaded = adapters.register(self._forward_thread.submit(
+                adapters.read, request.name, request.path).result(), request.holder)
         except AdapterNotFoundError as error:
             context.abort(grpc.StatusCode.NOT_FOUND, str(error))
         except AdapterConflictError as error:
@@ -167,11 +170,14 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
         adapters = self._adapters(context)
         try:
             # On the forward thread: the slot table changes between forwards only.
-            self._forward_thread.submit(adapters.unload, request.name).result()
+            forgotten = self._forward_thread.submit(adapters.unload, request.name,
+                                                    request.holder).result()
         except AdapterUnknownError:
             context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no adapter named {request.name[:140]!r} is loaded")
-        log.info("LoRA adapter %r unloaded", request.name)
+                          f"no adapter named {request.name[:140]!r} is loaded for "
+                          f"{request.holder[:140]!r}")
+        if forgotten:
+            log.info("LoRA adapter %r unloaded", request.name)
         return runner_pb2.UnloadAdapterResponse()
 
     def ListAdapters(self, request: runner_pb2.ListAdaptersRequest,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/runner.proto\x12\x12pagewire.runner.v1\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"_\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\"G\n\x13LoadAdapterResponse\x12\x30\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1f.pagewire.runner.v1.AdapterInfo\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListAdaptersRequest\"s\n\x14ListAdaptersResponse\x12\x31\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1f.pagewire.runner.v1.AdapterInfo\x12\x11\n\tmax_loras\x18\x02 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x03 \x01(\r\"\r\n\x0bInfoRequest\"\xae\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x12\x11\n\tmax_loras\x18\r \x01(\r\x12\x15\n\rmax_lora_rank\x18\x0e \x01(\r\"\xa0\x06\n\x0e\x45xecuteRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12\x1a\n\x12\x63opy_src_block_ids\x18\x04 \x03(\r\x12\x1a\n\x12\x63opy_dst_block_ids\x18\x05 \x03(\r\x12\x16\n\x0enum_new_tokens\x18\x06 \x03(\r\x12\x17\n\x0fstart_positions\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x14\n\x0cslot_mapping\x18\t \x03(\x03\x12\x18\n\x10\x62lock_table_lens\x18\n \x03(\r\x12\x14\n\x0c\x62lock_tables\x18\x0b \x03(\r\x12\x11\n\tdo_sample\x18\x0c \x03(\x08\x12\x14\n\x0ctemperatures\x18\r \x03(\x02\x12\x0e\n\x06top_ps\x18\x0e \x03(\x02\x12\x0e\n\x06top_ks\x18\x0f \x03(\r\x12\x0e\n\x06min_ps\x18\x10 \x03(\x02\x12\r\n\x05seeds\x18\x11 \x03(\x04\x12\x14\n\x0cnum_logprobs\x18\x12 \x03(\r\x12\x15\n\rafter_step_id\x18\x13 \x01(\x04\x12\x1d\n\x15pending_token_indices\x18\x14 \x03(\r\x12\x1b\n\x13pending_sample_rows\x18\x15 \x03(\r\x12\x1a\n\x12presence_penalties\x18\x16 \x03(\x02\x12\x1b\n\x13\x66requency_penalties\x18\x17 \x03(\x02\x12\x1c\n\x14repetition_penalties\x18\x18 \x03(\x02\x12\x13\n\x0bprompt_lens\x18\x19 \x03(\r\x12\x1c\n\x14penalty_history_lens\x18\x1a \x03(\r\x12\x19\n\x11penalty_token_ids\x18\x1b \x03(\x05\x12\x19\n\x11logit_bias_counts\x18\x1c \x03(\r\x12\x1c\n\x14logit_bias_token_ids\x18\x1d \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x1e \x03(\x02\x12\x18\n\x10mask_seq_indices\x18\x1f \x03(\r\x12\r\n\x05masks\x18  \x01(\x0c\x12\x14\n\x0cmasks_follow\x18! \x01(\x08\x12\x10\n\x08\x61\x64\x61pters\x18\" \x03(\t\"G\n\x12SupplyMasksRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\r\n\x05masks\x18\x03 \x01(\x0c\"\x15\n\x13SupplyMasksResponse\"\xbf\x01\n\x0f\x45xecuteResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x12\n\ntop_counts\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x12\n\nforward_ms\x18\x07 \x01(\x02\x12\x11\n\tsample_ms\x18\x08 \x01(\x02\x12\x10\n\x08total_ms\x18\t \x01(\x02\x32\xb7\x04\n\rRunnerService\x12I\n\x04Info\x12\x1f.pagewire.runner.v1.InfoRequest\x1a .pagewire.runner.v1.InfoResponse\x12R\n\x07\x45xecute\x12\".pagewire.runner.v1.ExecuteRequest\x1a#.pagewire.runner.v1.ExecuteResponse\x12^\n\x0bSupplyMasks\x12&.pagewire.runner.v1.SupplyMasksRequest\x1a\'.pagewire.runner.v1.SupplyMasksResponse\x12^\n\x0bLoadAdapter\x12&.pagewire.runner.v1.LoadAdapterRequest\x1a\'.pagewire.runner.v1.LoadAdapterResponse\x12\x64\n\rUnloadAdapter\x12(.pagewire.runner.v1.UnloadAdapterRequest\x1a).pagewire.runner.v1.UnloadAdapterResponse\x12\x61\n\x0cListAdapters\x12\'.pagewire.runner.v1.ListAdaptersRequest\x1a(.pagewire.runner.v1.ListAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/runner.proto\x12\x12pagewire.runner.v1\"@\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06holder\x18\x03 \x01(\t\"_\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\"G\n\x13LoadAdapterResponse\x12\x30\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1f.pagewire.runner.v1.AdapterInfo\"4\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListAdaptersRequest\"s\n\x14ListAdaptersResponse\x12\x31\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1f.pagewire.runner.v1.AdapterInfo\x12\x11\n\tmax_loras\x18\x02 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x03 \x01(\r\"\r\n\x0bInfoRequest\"\xae\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x12\x11\n\tmax_loras\x18\r \x01(\r\x12\x15\n\rmax_lora_rank\x18\x0e \x01(\r\"\xa0\x06\n\x0e\x45xecuteRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12\x1a\n\x12\x63opy_src_block_ids\x18\x04 \x03(\r\x12\x1a\n\x12\x63opy_dst_block_ids\x18\x05 \x03(\r\x12\x16\n\x0enum_new_tokens\x18\x06 \x03(\r\x12\x17\n\x0fstart_positions\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x14\n\x0cslot_mapping\x18\t \x03(\x03\x12\x18\n\x10\x62lock_table_lens\x18\n \x03(\r\x12\x14\n\x0c\x62lock_tables\x18\x0b \x03(\r\x12\x11\n\tdo_sample\x18\x0c \x03(\x08\x12\x14\n\x0ctemperatures\x18\r \x03(\x02\x12\x0e\n\x06top_ps\x18\x0e \x03(\x02\x12\x0e\n\x06top_ks\x18\x0f \x03(\r\x12\x0e\n\x06min_ps\x18\x10 \x03(\x02\x12\r\n\x05seeds\x18\x11 \x03(\x04\x12\x14\n\x0cnum_logprobs\x18\x12 \x03(\r\x12\x15\n\rafter_step_id\x18\x13 \x01(\x04\x12\x1d\n\x15pending_token_indices\x18\x14 \x03(\r\x12\x1b\n\x13pending_sample_rows\x18\x15 \x03(\r\x12\x1a\n\x12presence_penalties\x18\x16 \x03(\x02\x12\x1b\n\x13\x66requency_penalties\x18\x17 \x03(\x02\x12\x1c\n\x14repetition_penalties\x18\x18 \x03(\x02\x12\x13\n\x0bprompt_lens\x18\x19 \x03(\r\x12\x1c\n\x14penalty_history_lens\x18\x1a \x03(\r\x12\x19\n\x11penalty_token_ids\x18\x1b \x03(\x05\x12\x19\n\x11logit_bias_counts\x18\x1c \x03(\r\x12\x1c\n\x14logit_bias_token_ids\x18\x1d \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x1e \x03(\x02\x12\x18\n\x10mask_seq_indices\x18\x1f \x03(\r\x12\r\n\x05masks\x18  \x01(\x0c\x12\x14\n\x0cmasks_follow\x18! \x01(\x08\x12\x10\n\x08\x61\x64\x61pters\x18\" \x03(\t\"G\n\x12SupplyMasksRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\r\n\x05masks\x18\x03 \x01(\x0c\"\x15\n\x13SupplyMasksResponse\"\xbf\x01\n\x0f\x45xecuteResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x12\n\ntop_counts\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x12\n\nforward_ms\x18\x07 \x01(\x02\x12\x11\n\tsample_ms\x18\x08 \x01(\x02\x12\x10\n\x08total_ms\x18\t \x01(\x02\x32\xb7\x04\n\rRunnerService\x12I\n\x04Info\x12\x1f.pagewire.runner.v1.InfoRequest\x1a .pagewire.runner.v1.InfoResponse\x12R\n\x07\x45xecute\x12\".pagewire.runner.v1.ExecuteRequest\x1a#.pagewire.runner.v1.ExecuteResponse\x12^\n\x0bSupplyMasks\x12&.pagewire.runner.v1.SupplyMasksRequest\x1a\'.pagewire.runner.v1.SupplyMasksResponse\x12^\n\x0bLoadAdapter\x12&.pagewire.runner.v1.LoadAdapterRequest\x1a\'.pagewire.runner.v1.LoadAdapterResponse\x12\x64\n\rUnloadAdapter\x12(.pagewire.runner.v1.UnloadAdapterRequest\x1a).pagewire.runner.v1.UnloadAdapterResponse\x12\x61\n\x0cListAdapters\x12\'.pagewire.runner.v1.ListAdaptersRequest\x1a(.pagewire.runner.v1.ListAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.runner_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOADADAPTERREQUEST']._serialized_start=43
-  _globals['_LOADADAPTERREQUEST']._serialized_end=91
-  _globals['_ADAPTERINFO']._serialized_start=93
-  _globals['_ADAPTERINFO']._serialized_end=188
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=190
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=261
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=263
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=299
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=301
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=324
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=326
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=347
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=349
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=464
-  _globals['_INFOREQUEST']._serialized_start=466
-  _globals['_INFOREQUEST']._serialized_end=479
-  _globals['_INFORESPONSE']._serialized_start=482
-  _globals['_INFORESPONSE']._serialized_end=784
-  _globals['_EXECUTEREQUEST']._serialized_start=787
-  _globals['_EXECUTEREQUEST']._serialized_end=1587
-  _globals['_SUPPLYMASKSREQUEST']._serialized_start=1589
-  _globals['_SUPPLYMASKSREQUEST']._serialized_end=1660
-  _globals['_SUPPLYMASKSRESPONSE']._serialized_start=1662
-  _globals['_SUPPLYMASKSRESPONSE']._serialized_end=1683
-  _globals['_EXECUTERESPONSE']._serialized_start=1686
-  _globals['_EXECUTERESPONSE']._serialized_end=1877
-  _globals['_RUNNERSERVICE']._serialized_start=1880
-  _globals['_RUNNERSERVICE']._serialized_end=2447
+  _globals['_LOADADAPTERREQUEST']._serialized_end=107
+  _globals['_ADAPTERINFO']._serialized_start=109
+  _globals['_ADAPTERINFO']._serialized_end=204
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=206
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=277
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=279
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=331
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=333
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=356
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=358
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=379
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=381
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=496
+  _globals['_INFOREQUEST']._serialized_start=498
+  _globals['_INFOREQUEST']._serialized_end=511
+  _globals['_INFORESPONSE']._serialized_start=514
+  _globals['_INFORESPONSE']._serialized_end=816
+  _globals['_EXECUTEREQUEST']._serialized_start=819
+  _globals['_EXECUTEREQUEST']._serialized_end=1619
+  _globals['_SUPPLYMASKSREQUEST']._serialized_start=1621
+  _globals['_SUPPLYMASKSREQUEST']._serialized_end=1692
+  _globals['_SUPPLYMASKSRESPONSE']._serialized_start=1694
+  _globals['_SUPPLYMASKSRESPONSE']._serialized_end=1715
+  _globals['_EXECUTERESPONSE']._serialized_start=1718
+  _globals['_EXECUTERESPONSE']._serialized_end=1909
+  _globals['_RUNNERSERVICE']._serialized_start=1912
+  _globals['_RUNNERSERVICE']._serialized_end=2479
 # @@protoc_insertion_point(module_scope)

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "path")
+    __slots__ = ("name", "path", "holder")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    holder: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("name", "path", "rank", "target_modules", "digest")
@@ -35,10 +37,12 @@ class LoadAdapterResponse(_message.Message):
     def __init__(self, adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
 
 class UnloadAdapterRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "holder")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    holder: str
+    def __init__(self, name: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class UnloadAdapterResponse(_message.Message):
     __slots__ = ()

@@ -106,7 +106,9 @@ class RunnerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadAdapter(self, request, context):
-        """Forgets an adapter (host memory and its slot). NOT_FOUND for an unknown name.
+        """Lets go of an adapter; once no holder has it, forgets it (host memory and its slot).
+        NOT_FOUND for a name this holder does not hold; FAILED_PRECONDITION when the runner
+        serves no adapters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

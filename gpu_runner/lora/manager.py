@@ -51,6 +51,7 @@ class AdapterManager:
         self.device = device
         self.table = SlotTable(config, max_loras, max_rank, dtype, device, qk_row_order)
         self._adapters: dict[str, LoadedAdapter] = {}
+        self._holders: dict[str, set[str]] = {}  # name -> who holds it (runner.proto)
         self._lock = threading.Lock()
 
     @property
@@ -66,34 +67,44 @@ class AdapterManager:
         if not NAME.fullmatch(name):
             raise AdapterError(f"adapter name {name[:140]!r} must be 1 to 128 characters of "
                                "[A-Za-z0-9._:/-]")
+        if not path:
+            raise AdapterError("the adapter's path is empty")
         adapter = read_peft_adapter(Path(path), self.config, self.max_rank)
         return LoadedAdapter(name, path, adapter)
 
-    def register(self, loaded: LoadedAdapter) -> LoadedAdapter:
-        """Serves `loaded` under its name; the one already there when it has the same files
-        (AdapterConflictError when its files differ)."""
+    def register(self, loaded: LoadedAdapter, holder: str = "") -> LoadedAdapter:
+        """Serves `loaded` under its name for `holder`; the one already there when it has the
+        same files (AdapterConflictError when its files differ)."""
         with self._lock:
             held = self._adapters.get(loaded.name)
             if held is None:
-                self._adapters[loaded.name] = loaded
+                self._adapters[loaded.name] = held = loaded
                 metrics.LORA_ADAPTERS.inc()
                 metrics.LORA_ADAPTER_BYTES.inc(loaded.adapter.nbytes)
-                return loaded
-        if held.adapter.digest != loaded.adapter.digest:
-            raise AdapterConflictError(
-                f"adapter {loaded.name!r} is already loaded from other files ({held.path}); "
-                "unload it first")
+            elif held.adapter.digest != loaded.adapter.digest:
+                raise AdapterConflictError(
+                    f"adapter {loaded.name!r} is already loaded from other files "
+                    f"({held.path}); unload it first")
+            self._holders.setdefault(loaded.name, set()).add(holder)
         return held
 
-    def unload(self, name: str) -> None:
-        """Forgets `name` and frees its slot (forward thread). AdapterUnknownError."""
+    def unload(self, name: str, holder: str = "") -> bool:
+        """`holder` lets go of `name`; once no holder has it, forgets it and frees its slot
+        (forward thread). Whether it was forgotten; AdapterUnknownError when `holder` does
+        not hold it."""
         with self._lock:
-            loaded = self._adapters.pop(name, None)
-            if loaded is None:
+            holders = self._holders.get(name, set())
+            if holder not in holders:
                 raise AdapterUnknownError(name)
+            holders.discard(holder)
+            if holders:
+                return False
+            del self._holders[name]
+            loaded = self._adapters.pop(name)
         metrics.LORA_ADAPTERS.dec()
         metrics.LORA_ADAPTER_BYTES.dec(loaded.adapter.nbytes)
         self.table.release(name)
+        return True
 
     def check(self, adapters: tuple[str, ...]) -> None:
         """A batch's adapters column names loaded adapters, at most max_loras of them."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from gpu_runner.config import ModelConfig
 
@@ -73,9 +73,12 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int) -> PeftAdap
     """The adapter at `path`, checked against the model and the rank limit."""
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not config_file.is_file() or not weights_file.is_file():
-        raise AdapterNotFoundError(f"{path} holds no PEFT adapter (needs {CONFIG_FILE} and "
-                                   f"{WEIGHTS_FILE})")
-    config_bytes, weights_bytes = config_file.read_bytes(), weights_file.read_bytes()
+        raise AdapterNotFoundError(f"{path} holds no PEFT adapter (needs {CONFIG_FILE} "
+                                   f"and {WEIGHTS_FILE})")
+    try:
+        config_bytes, weights_bytes = config_file.read_bytes(), weights_file.read_bytes()
+    except OSError as error:
+        raise AdapterError(f"cannot read the adapter at {path}: {error}") from None
     config = _parse_config(config_bytes)
     rank = _positive_int(config.get("r"), "r")
     if rank > max_rank:
@@ -85,8 +88,8 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int) -> PeftAdap
         raise AdapterError(f"lora_alpha must be a positive number, not {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     try:
-        tensors = load_file(str(weights_file))
-    except (SafetensorError, OSError, ValueError) as error:
+        tensors = load(weights_bytes)  # the bytes hashed above, not a second read
+    except (SafetensorError, ValueError) as error:
         raise AdapterError(f"{WEIGHTS_FILE} is not a readable safetensors file: {error}") \
             from None
     weights = _pair_weights(tensors, model, rank)

@@ -444,26 +444,40 @@ def lora_seq(request_id: str, adapter: str, prompt_len: int = 3) -> Sequence:
     return seq
 
 
-def test_an_adapter_over_max_loras_waits_while_base_and_running_adapters_are_admitted() -> None:
+def test_an_adapter_over_max_loras_waits_and_holds_adapters_behind_it() -> None:
     scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=8, max_loras=2)
     a, b, c = lora_seq("a", "x"), lora_seq("b", "y"), lora_seq("c", "z")
     d, e = make_seq("d", 3), lora_seq("e", "x")
     scheduler.add([a, b, c, d, e])
     plan = scheduler.schedule()
-    # c's adapter would be the third: it keeps its place; d (base) and e (x, running) go on.
-    assert [g.seq for g in plan.allocates] == [a, b, d, e]
-    assert list(scheduler.waiting) == [c]
+    # c's adapter would be the third: it keeps its place; d (base) goes on, but not e (on the
+    # running x): x must drain for c to get its slot.
+    assert [g.seq for g in plan.allocates] == [a, b, d]
+    assert list(scheduler.waiting) == [c, e]
     run_step(scheduler, plan)
     assert scheduler.schedule().allocates == []  # x and y still run: c still waits
-    assert list(scheduler.waiting) == [c]
     scheduler.finish(a)
     plan = scheduler.schedule()
-    assert plan.allocates == []  # e still runs on x
-    run_step(scheduler, plan)
-    scheduler.finish(e)
-    plan = scheduler.schedule()
     assert [g.seq for g in plan.allocates] == [c]  # x is done: z takes its place
+    assert list(scheduler.waiting) == [e]  # x would now be the third
+    run_step(scheduler, plan)
+    scheduler.finish(b)
+    assert [g.seq for g in scheduler.schedule().allocates] == [e]
     assert not scheduler.waiting
+
+
+def test_steady_traffic_on_running_adapters_cannot_starve_a_new_one() -> None:
+    """Before the rule above, sequences on x and y arriving behind z were admitted step after
+    step, and z waited for as long as they came."""
+    scheduler = Scheduler(max_num_batched_tokens=100, max_num_seqs=64, max_loras=2)
+    x, y, z = lora_seq("x0", "x"), lora_seq("y0", "y"), lora_seq("z0", "z")
+    scheduler.add([x, y, z])
+    run_step(scheduler, scheduler.schedule())
+    for step in range(1, 4):
+        scheduler.add([lora_seq(f"x{step}", "x"), lora_seq(f"y{step}", "y")])
+        run_step(scheduler, scheduler.schedule())
+    scheduler.finish(x)
+    assert [g.seq for g in scheduler.schedule().allocates] == [z]
 
 
 def test_adapters_admitted_in_one_step_count_against_max_loras() -> None:
@@ -471,8 +485,9 @@ def test_adapters_admitted_in_one_step_count_against_max_loras() -> None:
     a, b, c = lora_seq("a", "x"), lora_seq("b", "y"), lora_seq("c", "x")
     scheduler.add([a, b, c])
     plan = scheduler.schedule()
-    assert [g.seq for g in plan.allocates] == [a, c]
-    assert list(scheduler.waiting) == [b]
+    # a takes the one slot; b waits for it, and c (on x) waits behind b.
+    assert [g.seq for g in plan.allocates] == [a]
+    assert list(scheduler.waiting) == [b, c]
 
 
 def test_recomputed_sequences_follow_the_max_loras_rule_too() -> None:

@@ -12,7 +12,7 @@ import pytest
 from gateway.client import PagewireClient
 from gateway.sequence import SamplingConfig
 from gateway.tokenizer import Tokenizer
-from gateway.validation import InvalidRequest, Limits, sampling_config
+from gateway.validation import InvalidRequest, Limits, check_identifiers, sampling_config
 from protos import gateway_pb2
 from tests.gateway.fake_runner import VOCAB
 from tests.gateway.stack import Stack
@@ -155,3 +155,12 @@ def test_tokenize_matches_the_tokenizer(stack: Stack, tokenizer: Tokenizer) -> N
     chat = stack.client.tokenize(messages=[("user", "Hi")])
     assert tokenizer.decode(chat, skip_special_tokens=False).endswith(
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_client_salt_cannot_pose_as_an_adapters() -> None:
+    """An adapter request's prefixes are hashed under "lora:<digest>..." (gateway/adapters.py):
+    a base request with such a salt could share, and read, an adapter's cached KV."""
+    with pytest.raises(InvalidRequest, match="must not start with 'lora:'"):
+        check_identifiers("", "lora:0123abcd")
+    check_identifiers("", "team-lora:a")  # elsewhere in the salt it is only text
+

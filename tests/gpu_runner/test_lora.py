@@ -370,3 +370,22 @@ def _peft_generation(model: object, prompt: list[int], top: int = 5) -> object:
         values, ids = torch.log_softmax(logits[0].float(), dim=-1).topk(top)
         tops.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
     return Generation(out.sequences[0, len(prompt):].tolist(), tops)
+
+
+def test_an_adapter_stays_while_any_holder_has_it(tiny_model_dirs: dict[str, Path],
+                                                  adapter_dirs: dict) -> None:
+    """Two gateways sharing a runner each hold what they loaded: one's unload leaves the
+    adapter to the other (runner.proto's holder)."""
+    runner = lora_runner(tiny_model_dirs["qwen3"])
+    manager = runner.lora
+    assert manager is not None
+    path = str(adapter_dirs[("qwen3", "qv")])
+    manager.register(manager.read("qv", path), holder="gateway/a")
+    manager.register(manager.read("qv", path), holder="gateway/b")
+    with pytest.raises(AdapterUnknownError):
+        manager.unload("qv", holder="gateway/c")
+    assert manager.unload("qv", holder="gateway/a") is False
+    manager.check(("qv",))  # still served
+    assert manager.unload("qv", holder="gateway/b") is True
+    with pytest.raises(BatchError, match="not loaded"):
+        manager.check(("qv",))
