@@ -106,19 +106,25 @@ def test_mixed_adapters_across_preemption_equal_peft(server: Server) -> None:
 
 
 def test_same_prompt_under_two_adapters_shares_no_cached_tokens(server: Server) -> None:
+    """And a prefix hit changes no token: every answer, cached or not, equals PEFT's."""
     client = openai.OpenAI(base_url=f"{server.http}/v1", api_key="none", max_retries=0)
     prompt = " ".join(PROMPTS)[:300]  # several full blocks
+    tokenizer = Tokenizer(resolve_model(None))
+    prompt_ids = tokenizer.encode(prompt)
+    base = client.models.list().data[0].id
 
     def cached(model: str) -> int:
-        reply = client.completions.create(model=model, prompt=prompt, max_tokens=1,
-                                          temperature=0)
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        adapter = server.adapters.get(model)
+        want = expected(adapter, prompt_ids)[:8]
+        assert reply.choices[0].text == tokenizer.decode(want), model
         details = reply.usage.prompt_tokens_details if reply.usage else None
         return details.cached_tokens or 0 if details else 0
 
     assert cached("sql") == 0
     assert cached("sql") >= 32  # its own prefix is cached...
     assert cached("chat") == 0  # ...but not for another adapter
-    base = client.models.list().data[0].id
     assert cached(base) == 0  # nor for the base model
     assert cached("chat") >= 32
     client.close()
