@@ -275,7 +275,8 @@ class BatchMerger:
 
     def _take_runnable(self) -> list[_Job]:
         """The queued jobs that may run now, oldest first: one per client, after its
-        previous step, within the token budget (the first one whatever its size)."""
+        previous step, within the token budget and the adapter slots (the first one whatever
+        its size)."""
         taken: list[_Job] = []
         clients: set[str] = set()
         adapters: set[str] = set()

@@ -53,10 +53,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
 
     def __init__(self, runner: ModelRunner | None = None,
                  recorder: BatchRecorder | None = None) -> None:
-        self._runner = runner
+        self._runner: ModelRunner | None = None
         self._merger = BatchMerger()
         if runner is not None:
-            self._merger.max_adapters = runner.info().max_loras
+            self._serve(runner)
         self._masks = MaskBoard()
         self._recorder = recorder
         self._forward_thread = ThreadPoolExecutor(max_workers=1,
@@ -69,9 +69,13 @@ class RunnerServicer(runner_pb2_grpc.RunnerServiceServicer):
     def load(self, make_runner: Callable[[], ModelRunner]) -> ModelRunner:
         """Builds the runner on the forward thread (its warm-up and tuning forwards would leave
         a second OpenMP team on any other: see the module's docstring) and serves it."""
-        self._runner = self._forward_thread.submit(make_runner).result()
-        self._merger.max_adapters = self._runner.info().max_loras
-        return self._runner
+        return self._serve(self._forward_thread.submit(make_runner).result())
+
+    def _serve(self, runner: ModelRunner) -> ModelRunner:
+        # A merged forward names at most the runner's slots' worth of adapters.
+        self._merger.max_adapters = runner.info().max_loras
+        self._runner = runner
+        return runner
 
     def _loaded(self, context: grpc.ServicerContext) -> ModelRunner:
         if self._runner is None:

@@ -28,7 +28,15 @@ from gpu_runner.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The model's fused projections and their Hugging Face parts, in output order: the
+# projections an adapter may change.
+PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+SUPPORTED_MODULES = tuple(part for parts in PROJECTIONS.values() for part in parts)
 _KEY = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 # Config entries whose non-default values change the arithmetic in ways not served here.
@@ -158,11 +166,20 @@ def _pair_weights(tensors: dict[str, torch.Tensor], model: ModelConfig, rank: in
     return weights
 
 
+def projection_sizes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Per fused projection: (in_features, output size of each part)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "qkv": (hidden, (config.q_size, config.kv_size, config.kv_size)),
+        "o": (config.q_size, (hidden,)),
+        "gate_up": (hidden, (inter, inter)),
+        "down": (inter, (hidden,)),
+    }
+
+
 def _projection_shape(model: ModelConfig, module: str) -> tuple[int, int]:
     """(in_features, out_features) of a Hugging Face projection of this model."""
-    hidden, inter = model.hidden_size, model.intermediate_size
-    return {
-        "q_proj": (hidden, model.q_size), "k_proj": (hidden, model.kv_size),
-        "v_proj": (hidden, model.kv_size), "o_proj": (model.q_size, hidden),
-        "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-    }[module]
+    for name, (in_size, out_sizes) in projection_sizes(model).items():
+        if module in PROJECTIONS[name]:
+            return in_size, out_sizes[PROJECTIONS[name].index(module)]
+    raise AdapterError(f"target module {module!r} is not served")

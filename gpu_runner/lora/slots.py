@@ -5,7 +5,7 @@ fused projection (qkv, o, gate_up, down), lora_A stacked as `a [rows, in]` and l
 and transposed, as `bt [rows, out]`. A fused projection's parts (q, k, v) sit block-diagonally:
 part j of an adapter with rank r takes rows j*r .. (j+1)*r - 1 of `a`, and the same rows of
 `bt` in that part's output columns only, so one (x @ a.T) @ bt adds every part's product in
-two matmuls. Only the parts an adapter targets take rows (`used`); a projection it leaves
+two matmuls. Only the parts an adapter targets take rows (`used_rows`); a projection it leaves
 alone costs nothing.
 
 A batch's rows run through their own adapter as groups: per group and projection,
@@ -27,27 +27,7 @@ import torch
 
 from gpu_runner import cpu_kernels, metrics
 from gpu_runner.config import ModelConfig
-from gpu_runner.lora.peft_format import PeftAdapter
-
-# The model's fused projections and their Hugging Face parts, in output order.
-PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-PROJECTION_OF = {part: name for name, parts in PROJECTIONS.items() for part in parts}
-
-
-def _part_sizes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Per fused projection: (in_features, output size of each part)."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    return {
-        "qkv": (hidden, (config.q_size, config.kv_size, config.kv_size)),
-        "o": (config.q_size, (hidden,)),
-        "gate_up": (hidden, (inter, inter)),
-        "down": (inter, (hidden,)),
-    }
+from gpu_runner.lora.peft_format import PROJECTIONS, PeftAdapter, projection_sizes
 
 
 class SlotTable:
@@ -60,7 +40,7 @@ class SlotTable:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.qk_row_order = qk_row_order  # the model's per-head q/k row order (interleaving)
-        self.sizes = _part_sizes(config)
+        self.sizes = projection_sizes(config)
         layers = config.num_layers
         self.a = {name: torch.zeros(layers, max_loras, len(parts) * max_rank, in_size,
                                     dtype=dtype, device=device)
@@ -68,7 +48,6 @@ class SlotTable:
         self.bt = {name: torch.zeros(layers, max_loras, len(parts) * max_rank, sum(parts),
                                      dtype=dtype, device=device)
                    for name, (_, parts) in self.sizes.items()}
-        self.used: list[dict[str, int]] = [{} for _ in range(max_loras)]  # rows per projection
         # For the C++ kernel, on the host: each slot's rank, and per projection the first row
         # of each part in its slot (-1: the adapter leaves that part alone); the parts'
         # output columns.
@@ -106,9 +85,13 @@ class SlotTable:
         """Empties the slot of `key` (nothing when it holds none)."""
         slot = self.holders.pop(key, None)
         if slot is not None:
-            self.used[slot] = {}
             for part_rows in self.part_rows.values():
                 part_rows[slot] = -1
+
+    def used_rows(self, slot: int) -> dict[str, int]:
+        """Per projection, the rows of `slot` its adapter takes (0: it leaves it alone)."""
+        rank = int(self.ranks[slot])
+        return {name: rank * int((rows[slot] >= 0).sum()) for name, rows in self.part_rows.items()}
 
     def _free_slot(self, keep: dict[str, PeftAdapter]) -> int:
         taken = set(self.holders.values())
@@ -122,12 +105,10 @@ class SlotTable:
 
     def _write(self, slot: int, adapter: PeftAdapter) -> None:
         rank = adapter.rank
-        used: dict[str, int] = {}
         for name, parts in PROJECTIONS.items():
             self.a[name][:, slot].zero_()
             self.bt[name][:, slot].zero_()
             targeted = [part for part in parts if part in adapter.target_modules]
-            used[name] = rank * len(targeted)
             self.part_rows[name][slot] = torch.tensor(
                 [targeted.index(p) * rank if p in targeted else -1 for p in parts])
             offsets = np.cumsum((0, *self.sizes[name][1]))
@@ -142,7 +123,6 @@ class SlotTable:
                     self.a[name][layer, slot, rows] = a
                     self.bt[name][layer, slot, rows, offsets[j]:offsets[j + 1]] = \
                         (self._model_rows(part, b) * adapter.scaling).t()
-        self.used[slot] = used
         self.ranks[slot] = rank
         self.loads += 1
         metrics.LORA_SLOT_LOADS.inc()
@@ -196,7 +176,7 @@ class LoraBatch:
                 selected = slice(first, last + 1)
             else:
                 selected = torch.from_numpy(rows).to(device)
-            groups.append(RowGroup(slot, selected, table.used[slot]))
+            groups.append(RowGroup(slot, selected, table.used_rows(slot)))
         starts = np.cumsum([0] + [len(rows) for rows in members]).astype(np.int64)
         return cls(table, groups, np.concatenate(members).astype(np.int64), starts)
 
